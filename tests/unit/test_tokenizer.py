@@ -1,0 +1,104 @@
+from pathlib import Path
+
+import pytest
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from torchtitan_rl.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TRAINING_TEXTS = [
+    "user\nWhat is 3 + 4?",
+    "assistant\n7",
+    "Reverse the string: hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Grüße aus Köln, 你好",
+]
+
+
+def make_hf_tokenizer_dir(directory: Path, special_tokens: list[str] = SPECIAL_TOKENS) -> Path:
+    """A tiny byte-level BPE (the kind Qwen uses) trained on a few strings, saved as tokenizer.json.
+
+    Its post-processor appends <|endoftext|> so tests can check that ``encode`` does not add it.
+    """
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXTS, trainer=trainer)
+    if "<|endoftext|>" in special_tokens:
+        eos_id = tokenizer.token_to_id("<|endoftext|>")
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", eos_id)]
+        )
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+ROUND_TRIP_TEXTS = ["", "plain ascii", "héllo wörld", "你好, 世界 🙂", "tab\tnew\nline", "<|im_end|> as text"]
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
+def test_byte_tokenizer_round_trip(text):
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+
+
+def test_byte_tokenizer_special_ids_and_decoding():
+    tokenizer = ByteTokenizer()
+    assert (tokenizer.eos_id, tokenizer.im_start_id, tokenizer.im_end_id, tokenizer.vocab_size) == (256, 257, 258, 259)
+    # "é" is two bytes; a special token between text pieces must not break the multi-byte run around it.
+    ids = [257] + tokenizer.encode("é") + [258, 256]
+    assert tokenizer.decode(ids) == "<|im_start|>é<|im_end|><|endoftext|>"
+    # Special-token strings in text are plain bytes, never the special id.
+    assert 258 not in tokenizer.encode("<|im_end|>")
+
+
+def test_byte_tokenizer_invalid_utf8_and_ids():
+    tokenizer = ByteTokenizer()
+    first_byte_of_e_acute = "é".encode("utf-8")[0]
+    assert tokenizer.decode([ord("a"), first_byte_of_e_acute, ord("b")]) == "a\ufffdb"
+    with pytest.raises(ValueError, match="259"):
+        tokenizer.decode([259])
+
+
+@pytest.mark.parametrize("text", ROUND_TRIP_TEXTS[:-1])
+def test_hf_tokenizer_round_trip_without_added_specials(tmp_path, text):
+    tokenizer = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path)))
+    ids = tokenizer.encode(text)
+    assert tokenizer.eos_id not in ids  # the post-processor's EOS is not added
+    assert tokenizer.decode(ids) == text
+
+
+def test_hf_tokenizer_special_ids(tmp_path):
+    tokenizer = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path)))
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.eos_id == reference.token_to_id("<|endoftext|>")
+    assert tokenizer.im_start_id == reference.token_to_id("<|im_start|>")
+    assert tokenizer.im_end_id == reference.token_to_id("<|im_end|>")
+    assert tokenizer.vocab_size == reference.get_vocab_size(with_added_tokens=True)
+    ids = [tokenizer.im_start_id] + tokenizer.encode("user\nhi") + [tokenizer.im_end_id, tokenizer.eos_id]
+    assert tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|><|endoftext|>"
+
+
+def test_hf_tokenizer_errors(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        HFTokenizer(str(tmp_path))
+    directory = make_hf_tokenizer_dir(tmp_path / "no_im_end", special_tokens=["<|endoftext|>", "<|im_start|>"])
+    with pytest.raises(ValueError, match=r"<\|im_end\|>"):
+        HFTokenizer(str(directory))
+
+
+def test_build_tokenizer(tmp_path):
+    assert isinstance(build_tokenizer(""), ByteTokenizer)
+    assert isinstance(build_tokenizer(str(make_hf_tokenizer_dir(tmp_path / "hf"))), HFTokenizer)
+    (tmp_path / "empty_dir").mkdir()
+    (tmp_path / "a_file.txt").write_text("x")
+    for bad_path in [tmp_path / "missing", tmp_path / "empty_dir", tmp_path / "a_file.txt"]:
+        with pytest.raises(ValueError, match=r"model\.hf_assets_path.*tokenizer\.json"):
+            build_tokenizer(str(bad_path))

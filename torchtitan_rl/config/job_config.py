@@ -1,0 +1,230 @@
+"""Every knob of a run, one dataclass per TOML section.
+
+The string literal under each field is its documentation: ``--help`` reads it from this
+file's source, so it is the only place a field is described. Simple ranges sit next to
+the field (``bounded``) so the parser can check them and ``--help`` can print them.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+
+def bounded(default, *, gt=None, ge=None, lt=None, le=None):
+    """A field default plus the numeric range that ``ConfigManager`` enforces on it."""
+    bounds = {"gt": gt, "ge": ge, "lt": lt, "le": le}
+    return field(default=default, metadata={k: v for k, v in bounds.items() if v is not None})
+
+
+@dataclass
+class Job:
+    """What this run is and where its outputs go."""
+
+    config_file: str = ""
+    """Path of the TOML recipe to load; CLI overrides are applied on top of it."""
+
+    dump_folder: str = "./outputs"
+    """Folder for TensorBoard logs, the resolved config and (later) checkpoints."""
+
+    description: str = ""
+    """Free-form description of the run, for humans."""
+
+
+@dataclass
+class Model:
+    """Which model to build."""
+
+    name: Literal["qwen3"] = "qwen3"
+    """Model family."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the family, a key of ``torchtitan_rl.models.qwen3.args.qwen3_flavors``
+    (e.g. debugmodel, 0.6B, 1.7B, 4B, 8B)."""
+
+    hf_assets_path: str = ""
+    """Directory with an HF ``tokenizer.json`` (and, for loading weights, ``config.json`` and
+    safetensors). Empty uses the built-in byte tokenizer."""
+
+    attn_backend: Literal["auto", "sdpa_dense", "sdpa_loop", "flex"] = "auto"
+    """Document-causal attention kernel: sdpa_dense builds a dense boolean mask, sdpa_loop runs
+    SDPA once per packed sequence, flex uses flex_attention (no CPU backward). auto picks the
+    fastest one that works on the current device."""
+
+
+@dataclass
+class Optimizer:
+    """Optimizer hyper-parameters."""
+
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class."""
+
+    lr: float = bounded(8e-4, gt=0)
+    """Peak learning rate, reached at the end of warmup."""
+
+    beta1: float = bounded(0.9, ge=0, lt=1)
+    """Adam first-moment decay."""
+
+    beta2: float = bounded(0.95, ge=0, lt=1)
+    """Adam second-moment decay."""
+
+    eps: float = bounded(1e-8, gt=0)
+    """Adam denominator epsilon."""
+
+    weight_decay: float = bounded(0.1, ge=0)
+    """Decoupled (AdamW) weight decay."""
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule: linear warmup, then decay to ``min_lr_factor * lr``."""
+
+    warmup_steps: int = bounded(0, ge=0)
+    """Steps of linear warmup from 0 to ``optimizer.lr``."""
+
+    decay_type: Literal["linear", "cosine"] = "linear"
+    """Shape of the decay after warmup, until ``training.steps``."""
+
+    min_lr_factor: float = bounded(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of ``optimizer.lr``."""
+
+
+@dataclass
+class Training:
+    """Steps, batch shapes, data and precision."""
+
+    steps: int = bounded(200, gt=0)
+    """Number of optimizer steps."""
+
+    seq_len: int = bounded(512, ge=2)
+    """Maximum number of model input tokens per sequence."""
+
+    global_batch_size: int = bounded(8, gt=0)
+    """Sequences per optimizer step, summed over all data-parallel ranks (the mini-batch the
+    loss is normalized over)."""
+
+    max_tokens_per_microbatch: int = bounded(0, ge=0)
+    """Token budget of one packed micro-batch. 0 puts the rank's whole share of the mini-batch
+    in one micro-batch; otherwise it must be >= seq_len so any sequence fits."""
+
+    max_norm: float = bounded(1.0, ge=0)
+    """Gradient-norm clipping threshold. 0 disables clipping (the norm is still logged)."""
+
+    dataset: str = "arithmetic"
+    """Built-in task name, or the name of a dataset in the local HF cache. Used when
+    dataset_path is empty."""
+
+    dataset_path: str = ""
+    """Local jsonl/json/parquet file or directory to train on; overrides dataset."""
+
+    dataset_split: str = "train"
+    """Split to read from the dataset."""
+
+    num_synthetic_samples: int = bounded(20000, gt=0)
+    """Number of samples a built-in synthetic task generates."""
+
+    long_sample_policy: Literal["truncate", "drop"] = "truncate"
+    """What to do with a sample longer than seq_len: cut it to seq_len, or skip it."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter dtype for compute on CUDA. CPU always trains in float32."""
+
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """Dtype of gradient reductions across ranks."""
+
+
+@dataclass
+class Parallelism:
+    """Device mesh degrees; their product must equal the world size."""
+
+    data_parallel_replicate_degree: int = bounded(1, ge=1)
+    """HSDP replicate degree (parameters replicated, gradients summed)."""
+
+    data_parallel_shard_degree: int = -1
+    """FSDP shard degree. -1 takes the ranks left over by the other degrees; otherwise >= 1."""
+
+    tensor_parallel_degree: int = bounded(1, ge=1)
+    """Tensor-parallel degree."""
+
+    context_parallel_degree: int = bounded(1, ge=1)
+    """Context-parallel degree (each sequence split over this many ranks)."""
+
+
+@dataclass
+class Loss:
+    """How per-token losses are normalized; identical for any parallel layout."""
+
+    reduction: Literal[
+        "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy"
+    ] = "token_mean"
+    """token_mean: every loss token of the mini-batch weighs the same (1/N).
+    sequence_mean: every sequence weighs the same (1/(n_i*B), GRPO).
+    seq_mean_token_sum_norm: constant horizon 1/(L*B) (Dr. GRPO), L = loss.horizon.
+    sum: raw sum of token losses; the caller normalizes.
+    token_mean_legacy: token mean per micro-batch, then mean over micro-batches; reproduces
+    the old layout-dependent behaviour on purpose."""
+
+    horizon: Optional[int] = bounded(None, gt=0)
+    """The constant L of seq_mean_token_sum_norm. None uses training.seq_len."""
+
+    logits_chunk_size: int = bounded(1024, gt=0)
+    """Tokens per chunk when computing logits and cross-entropy, bounding peak memory."""
+
+
+@dataclass
+class Metrics:
+    """Logging."""
+
+    log_freq: int = bounded(10, ge=1)
+    """Log metrics every this many steps."""
+
+    enable_tensorboard: bool = True
+    """Write TensorBoard event files."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard subfolder of job.dump_folder."""
+
+
+@dataclass
+class Checkpoint:
+    """Initial weights."""
+
+    initial_load_path: str = ""
+    """HF directory with model weights to start from. Empty starts from random init."""
+
+    initial_load_in_hf: bool = False
+    """Whether initial_load_path holds HF-format (safetensors) weights."""
+
+
+@dataclass
+class Debug:
+    """Reproducibility."""
+
+    seed: int = 42
+    """Random seed for model init and data order."""
+
+    deterministic: bool = False
+    """Use deterministic kernels (slower)."""
+
+
+@dataclass
+class Comm:
+    """Process-group setup."""
+
+    init_timeout_seconds: int = bounded(300, gt=0)
+    """Timeout for process-group initialization and collectives."""
+
+
+@dataclass
+class JobConfig:
+    """The full configuration of a run; each field is one TOML section."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    loss: Loss = field(default_factory=Loss)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    debug: Debug = field(default_factory=Debug)
+    comm: Comm = field(default_factory=Comm)

@@ -1,0 +1,121 @@
+"""Parallel degrees, their validation, and the named device meshes of DESIGN §3."""
+
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# Order matters: the innermost (last) dims are the ones whose ranks are neighbours, so TP,
+# which communicates most, gets adjacent ranks (same node).
+_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+
+# Flattened meshes: name -> the world-mesh dims it spans.
+_FLATTENED = {
+    "batch": ("dp_replicate", "dp_shard"),
+    "fsdp": ("dp_shard", "cp"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+}
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    world_size: int
+    _meshes: dict[str, DeviceMesh | None] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        self._validate()
+
+    def _validate(self):
+        names = {
+            "dp_replicate": "parallelism.data_parallel_replicate_degree",
+            "dp_shard": "parallelism.data_parallel_shard_degree",
+            "cp": "parallelism.context_parallel_degree",
+            "tp": "parallelism.tensor_parallel_degree",
+        }
+        for dim in ("dp_replicate", "cp", "tp"):
+            if getattr(self, dim) < 1:
+                raise ValueError(f"{names[dim]} must be >= 1, got {getattr(self, dim)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ValueError(f"{names['dp_shard']} must be -1 or >= 1, got {self.dp_shard}")
+        if self.tp > 1:
+            raise ValueError(
+                f"{names['tp']}={self.tp}: tensor parallel is not yet supported; set it to 1"
+            )
+        if self.cp > 1:
+            raise ValueError(
+                f"{names['cp']}={self.cp}: context parallel is not yet supported; set it to 1"
+            )
+        others = self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others != 0:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by "
+                    f"dp_replicate * cp * tp = {others}; cannot infer {names['dp_shard']}"
+                )
+            self.dp_shard = self.world_size // others
+        if others * self.dp_shard != self.world_size:
+            raise ValueError(
+                f"dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * cp "
+                f"({self.cp}) * tp ({self.tp}) = {others * self.dp_shard} does not equal the "
+                f"world size {self.world_size}"
+            )
+
+    @property
+    def batch_degree(self) -> int:
+        """How many ranks load different samples (the DP degree)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_degree(self) -> int:
+        return self.dp_shard * self.cp
+
+    def build_meshes(self, device_type: str) -> None:
+        """Create the world mesh and its named sub-meshes; dims of size 1 get no group.
+
+        Exception: HSDP without sharding (dp_replicate > 1, dp_shard * cp == 1) keeps a
+        size-1 ``dp_shard`` dim because FSDP2 expresses replication as a 2-D mesh.
+        """
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        keep = [d for d in _MESH_DIMS if sizes[d] > 1]
+        if self.dp_replicate > 1 and self.fsdp_degree == 1:
+            keep.insert(keep.index("dp_replicate") + 1, "dp_shard")
+        if not keep:
+            self._meshes = {name: None for name in (*_MESH_DIMS, *_FLATTENED)}
+            return
+        world = init_device_mesh(device_type, tuple(sizes[d] for d in keep), mesh_dim_names=tuple(keep))
+        meshes: dict[str, DeviceMesh | None] = {d: (world[d] if d in keep else None) for d in _MESH_DIMS}
+        for name, dims in _FLATTENED.items():
+            present = tuple(d for d in dims if d in keep and sizes[d] > 1)
+            if not present:
+                meshes[name] = None
+            elif len(present) == 1:
+                meshes[name] = world[present[0]]
+            else:
+                meshes[name] = world[present]._flatten(name)
+        if self.dp_replicate > 1:
+            # HSDP: replicate over dp_replicate, shard over the (possibly size-1) fsdp mesh.
+            shard_dims = tuple(d for d in ("dp_shard", "cp") if d in keep)
+            if len(shard_dims) == 2:
+                meshes["hsdp"] = world["dp_replicate", "fsdp"]
+            else:
+                meshes["hsdp"] = world[("dp_replicate", shard_dims[0])]
+        self._meshes = meshes
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        """A named mesh, or ``None`` when that mesh has a single rank (nothing to communicate)."""
+        assert self._meshes, "build_meshes() first"
+        return self._meshes.get(name)
+
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards over: 2-D (replicate, shard) for HSDP, else the ``fsdp`` mesh."""
+        if self.dp_replicate > 1:
+            return self.mesh("hsdp")
+        return self.mesh("fsdp")
+
+    def batch_rank(self) -> int:
+        """This rank's index among the ranks that load different samples."""
+        batch = self.mesh("batch")
+        return 0 if batch is None else batch.get_local_rank()

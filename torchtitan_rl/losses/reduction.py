@@ -1,0 +1,61 @@
+"""Reduction modes as per-token weights computed from global mini-batch counts (DESIGN §2).
+
+This is the only place that normalizes a loss. Every loss is ``Σ_t w_t · ℓ_t`` over the
+tokens a rank holds, and gradients are summed over micro-batches and ranks, so the result
+equals the single-process full-batch loss of the chosen mode for any parallel layout
+(except ``token_mean_legacy``, which reproduces the layout-dependent behaviour on purpose).
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_rl.data.packing import MicroBatch
+from torchtitan_rl.distributed.utils import all_reduce
+
+REDUCTION_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy")
+
+# Layout of the count vector gathered in the step's single all-reduce.
+NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_MICROBATCHES_WITH_LOSS, NUM_TOKENS, SUM_SQUARED_SEQ_LENS = range(5)
+
+
+def local_counts(microbatches: list[MicroBatch]) -> torch.Tensor:
+    """This rank's counts, from host tensors (no device work, no sync)."""
+    counts = torch.zeros(5, dtype=torch.int64)
+    for mb in microbatches:
+        if mb.is_padding:
+            continue
+        num_loss = int(mb.loss_mask.sum())
+        per_seq = torch.zeros(mb.num_seqs, dtype=torch.int64).index_add_(0, mb.seq_ids, mb.loss_mask.long())
+        counts[NUM_LOSS_TOKENS] += num_loss
+        counts[NUM_SEQS_WITH_LOSS] += int((per_seq > 0).sum())
+        counts[NUM_MICROBATCHES_WITH_LOSS] += int(num_loss > 0)
+        counts[NUM_TOKENS] += mb.num_tokens
+        counts[SUM_SQUARED_SEQ_LENS] += sum(n * n for n in mb.seq_lens)
+    return counts
+
+
+def global_counts(microbatches: list[MicroBatch], batch_mesh: DeviceMesh | None, device: torch.device) -> torch.Tensor:
+    """Counts summed over every rank that loads different samples; stays on ``device``."""
+    return all_reduce(local_counts(microbatches).to(device), "sum", batch_mesh)
+
+
+def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int) -> torch.Tensor:
+    """``w_t`` for every token of a (device-resident) micro-batch, float32.
+
+    Denominators are clamped to >= 1: a count of 0 means no token has a non-zero mask, so
+    the weights are 0 either way and never NaN.
+    """
+    mask = mb.loss_mask.to(torch.float32)
+    if mode == "sum":
+        return mask
+    if mode == "token_mean":
+        return mask / counts[NUM_LOSS_TOKENS].clamp(min=1)
+    num_seqs = counts[NUM_SEQS_WITH_LOSS].clamp(min=1)
+    if mode == "sequence_mean":
+        return mask / (mb.seq_num_loss_tokens.clamp(min=1) * num_seqs)
+    if mode == "seq_mean_token_sum_norm":
+        return mask / (horizon * num_seqs)
+    if mode == "token_mean_legacy":
+        local_loss_tokens = mb.loss_mask.sum().clamp(min=1)
+        return mask / (local_loss_tokens * counts[NUM_MICROBATCHES_WITH_LOSS].clamp(min=1))
+    raise ValueError(f"unknown loss.reduction {mode!r}; valid modes: {', '.join(REDUCTION_MODES)}")

@@ -1,0 +1,110 @@
+"""Step metrics: exact global reductions, a stdout line and TensorBoard scalars (DESIGN §8)."""
+
+import logging
+import resource
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.utils import all_reduce
+from torchtitan_rl.engine import ForwardBackwardMetrics
+from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
+
+logger = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
+_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
+
+
+class MetricsLogger:
+    """Turns device-resident step results into logged numbers, on log steps only.
+
+    ``log`` is the only place that synchronizes with the host; the reductions below follow
+    DESIGN §8: loss pieces are summed over the ``loss`` mesh, counts were already summed
+    over ``batch`` by the engine, TP replicas are never summed.
+    """
+
+    def __init__(
+        self,
+        parallel_dims: ParallelDims,
+        device: torch.device,
+        rank: int,
+        tb_folder: str | None,
+        num_params: int,
+        flops_per_token_context: int,
+    ):
+        self.parallel_dims = parallel_dims
+        self.device = device
+        self.rank = rank
+        self.num_params = num_params
+        # Attention FLOPs of a token grow with its context: 6 * layers * heads * head_dim
+        # per (query, key) pair counts forward + backward of the two attention matmuls.
+        self.flops_per_token_context = flops_per_token_context
+        self.peak_flops = _peak_flops(device)
+        self.writer = SummaryWriter(tb_folder) if (tb_folder and rank == 0) else None
+
+    def log(
+        self,
+        step: int,
+        fb: ForwardBackwardMetrics,
+        optim: dict,
+        window_tokens: torch.Tensor,
+        window_squared_lens: torch.Tensor,
+        window_seconds: float,
+        data_stats: dict[str, int],
+    ) -> dict[str, float]:
+        loss_mesh = self.parallel_dims.mesh("loss")
+        world_size = self.parallel_dims.world_size
+        reduced = {
+            "loss_metrics/global_avg_loss": all_reduce(fb.loss, "sum", loss_mesh),
+            "loss_metrics/global_max_loss": all_reduce(fb.max_seq_loss, "max", loss_mesh),
+            "grad_norm": optim["grad_norm"],
+            "tokens/loss_tokens": fb.counts[NUM_LOSS_TOKENS],
+            "tokens/total": fb.counts[NUM_TOKENS],
+        }
+        values = {tag: float(v) for tag, v in reduced.items()}
+        values["lr"] = float(optim["lr"])
+        num_tokens = float(window_tokens)
+        values["throughput(tps)"] = num_tokens / window_seconds / world_size
+        if self.peak_flops is not None:
+            flops = 6 * self.num_params * num_tokens + self.flops_per_token_context * float(window_squared_lens)
+            values["mfu(%)"] = 100 * flops / window_seconds / world_size / self.peak_flops
+        if self.device.type == "cuda":
+            memory_tag = "memory/max_active(GiB)"
+            values[memory_tag] = torch.cuda.memory_stats(self.device)["active_bytes.all.peak"] / 2**30
+        else:
+            memory_tag = "memory/peak_rss(GiB)"
+            values[memory_tag] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+        for key, count in data_stats.items():
+            values[f"data/{key}"] = float(count)
+
+        if self.rank == 0:
+            logger.info(
+                "step: %d  loss: %.5f  max_loss: %.4f  grad_norm: %.4f  lr: %.3e  tps: %.0f  memory: %.2fGiB%s",
+                step,
+                values["loss_metrics/global_avg_loss"],
+                values["loss_metrics/global_max_loss"],
+                values["grad_norm"],
+                values["lr"],
+                values["throughput(tps)"],
+                values[memory_tag],
+                f"  mfu: {values['mfu(%)']:.2f}%" if "mfu(%)" in values else "",
+            )
+        if self.writer is not None:
+            for tag, value in values.items():
+                self.writer.add_scalar(tag, value, step)
+            self.writer.flush()
+        return values
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+

@@ -1,0 +1,231 @@
+"""Document-causal attention over packed micro-batches.
+
+A packed micro-batch folds the batch dimension into tokens: ``seq_ids[t]`` names the sequence
+of token t and ``positions[t]`` restarts at 0 for every sequence. Query token i may attend key
+token j iff ``seq_ids[j] == seq_ids[i] and positions[j] <= positions[i]``.
+
+Queries and keys are described separately, ``(q_seq_ids, q_positions)`` of length T and
+``(kv_seq_ids, kv_positions)`` of length S, so that context parallel can attend local queries
+to K/V gathered from other ranks. The rule only looks at ids and positions, never at token
+order, so keys may come in any order. Every query must see at least one key (true whenever
+the keys include the query's own token); a query with none gets NaN, as in SDPA.
+
+The mask data depends only on the micro-batch, so it is built once per forward into an
+``AttentionContext`` and shared by every layer.
+"""
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+ATTN_BACKENDS = ("sdpa_dense", "sdpa_loop", "flex")
+ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
+
+
+def resolve_attn_backend(name: str, device: torch.device | str) -> str:
+    """Turn a configured backend name into the concrete backend to use on ``device``."""
+    if name not in ATTN_BACKEND_CHOICES:
+        raise ValueError(
+            f"unknown attention backend {name!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}"
+        )
+    device_type = torch.device(device).type
+    if name == "auto":
+        return "flex" if device_type == "cuda" else "sdpa_dense"
+    if name == "flex" and device_type != "cuda":
+        raise ValueError(
+            f"attention backend 'flex' needs CUDA (flex_attention has no backward on "
+            f"{device_type}); use 'sdpa_dense' or 'sdpa_loop'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class DocumentSlice:
+    """The queries and keys of one sequence, for the per-document loop."""
+
+    q_index: torch.Tensor  # [t] rows of q belonging to this sequence
+    kv_index: torch.Tensor  # [s] rows of k/v belonging to this sequence
+    # None when queries and keys are both positions 0..n-1 in order, so plain causal SDPA
+    # applies; otherwise the rule evaluated on this document's positions, [t, s].
+    mask: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """Per-forward mask data; exactly one of the backend-specific fields is set."""
+
+    backend: str
+    dense_mask: torch.Tensor | None = None  # sdpa_dense: [T, S] bool
+    documents: tuple[DocumentSlice, ...] | None = None  # sdpa_loop
+    # sdpa_loop: maps the concatenated per-document outputs back to query order; None when
+    # the documents already cover the queries in order.
+    inverse_query_order: torch.Tensor | None = None
+    block_mask: BlockMask | None = None  # flex
+
+
+def build_attention_context(
+    backend: str,
+    q_seq_ids: torch.Tensor,
+    q_positions: torch.Tensor,
+    kv_seq_ids: torch.Tensor | None = None,
+    kv_positions: torch.Tensor | None = None,
+) -> AttentionContext:
+    """Build the mask data for one forward. Keys default to the queries' own tokens.
+
+    ``backend`` may be "auto"; it is resolved against the device of ``q_seq_ids``.
+    """
+    if kv_seq_ids is None and kv_positions is None:
+        kv_seq_ids, kv_positions = q_seq_ids, q_positions
+    elif kv_seq_ids is None or kv_positions is None:
+        raise ValueError("pass both kv_seq_ids and kv_positions, or neither")
+    for name, ids, pos in (("q", q_seq_ids, q_positions), ("kv", kv_seq_ids, kv_positions)):
+        if ids.dim() != 1 or ids.shape != pos.shape:
+            raise ValueError(
+                f"{name}_seq_ids and {name}_positions must be 1-D of equal length, got "
+                f"{tuple(ids.shape)} and {tuple(pos.shape)}"
+            )
+    backend = resolve_attn_backend(backend, q_seq_ids.device)
+    if backend == "sdpa_dense":
+        return AttentionContext(
+            backend, dense_mask=_dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
+        )
+    if backend == "sdpa_loop":
+        documents, inverse_order = _document_slices(
+            q_seq_ids, q_positions, kv_seq_ids, kv_positions
+        )
+        return AttentionContext(
+            backend, documents=documents, inverse_query_order=inverse_order
+        )
+    return AttentionContext(
+        backend, block_mask=_flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
+    )
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
+) -> torch.Tensor:
+    """Attend ``q [T, n_heads, head_dim]`` to ``k, v [S, n_kv_heads, head_dim]``.
+
+    GQA: query head h uses kv head ``h // (n_heads // n_kv_heads)``. Returns
+    ``[T, n_heads, head_dim]``; the scale is ``1 / sqrt(head_dim)``.
+    """
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"n_heads ({q.shape[1]}) must be a multiple of n_kv_heads ({k.shape[1]})")
+    scale = q.shape[-1] ** -0.5
+    if context.backend == "sdpa_dense":
+        return _sdpa(q, k, v, mask=context.dense_mask, scale=scale)
+    if context.backend == "sdpa_loop":
+        outputs = [
+            _sdpa(
+                q.index_select(0, doc.q_index),
+                k.index_select(0, doc.kv_index),
+                v.index_select(0, doc.kv_index),
+                mask=doc.mask,
+                scale=scale,
+            )
+            for doc in context.documents
+        ]
+        out = torch.cat(outputs)
+        if context.inverse_query_order is not None:
+            out = out.index_select(0, context.inverse_query_order)
+        return out
+    assert context.backend == "flex", context.backend
+    out = _compiled_flex_attention()(
+        _to_bhld(q),
+        _to_bhld(k),
+        _to_bhld(v),
+        block_mask=context.block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions) -> torch.Tensor:
+    same_sequence = q_seq_ids[:, None] == kv_seq_ids[None, :]
+    return same_sequence & (kv_positions[None, :] <= q_positions[:, None])
+
+
+def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions):
+    # One host transfer per forward; grouping T tokens in Python is cheap next to attention.
+    q_seq, q_pos = q_seq_ids.tolist(), q_positions.tolist()
+    kv_seq, kv_pos = kv_seq_ids.tolist(), kv_positions.tolist()
+    q_rows: dict[int, list[int]] = {}
+    for row, seq in enumerate(q_seq):
+        q_rows.setdefault(seq, []).append(row)
+    kv_rows: dict[int, list[int]] = {}
+    for row, seq in enumerate(kv_seq):
+        kv_rows.setdefault(seq, []).append(row)
+
+    device = q_seq_ids.device
+    documents = []
+    query_order: list[int] = []
+    for seq, q_list in q_rows.items():
+        kv_list = kv_rows.get(seq, [])
+        q_index = torch.tensor(q_list, dtype=torch.long, device=device)
+        kv_index = torch.tensor(kv_list, dtype=torch.long, device=device)
+        in_order = list(range(len(q_list)))
+        if [q_pos[r] for r in q_list] == in_order and [kv_pos[r] for r in kv_list] == in_order:
+            mask = None
+        else:
+            mask = _dense_mask(
+                q_seq_ids.index_select(0, q_index),
+                q_positions.index_select(0, q_index),
+                kv_seq_ids.index_select(0, kv_index),
+                kv_positions.index_select(0, kv_index),
+            )
+        documents.append(DocumentSlice(q_index, kv_index, mask))
+        query_order.extend(q_list)
+
+    if query_order == list(range(len(q_seq))):
+        return tuple(documents), None
+    inverse = torch.empty(len(query_order), dtype=torch.long)
+    inverse[torch.tensor(query_order, dtype=torch.long)] = torch.arange(len(query_order))
+    return tuple(documents), inverse.to(device)
+
+
+def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions) -> BlockMask:
+    def document_causal(batch, head, q_idx, kv_idx):
+        same_sequence = q_seq_ids[q_idx] == kv_seq_ids[kv_idx]
+        return same_sequence & (kv_positions[kv_idx] <= q_positions[q_idx])
+
+    return _compiled_create_block_mask()(
+        document_causal,
+        B=None,
+        H=None,
+        Q_LEN=q_seq_ids.numel(),
+        KV_LEN=kv_seq_ids.numel(),
+        device=q_seq_ids.device,
+    )
+
+
+def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        _to_bhld(q),
+        _to_bhld(k),
+        _to_bhld(v),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _to_bhld(x: torch.Tensor) -> torch.Tensor:
+    """[L, heads, head_dim] -> [1, heads, L, head_dim], the layout attention kernels take."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+# Compiled lazily: compiling at import would cost every CPU-only user a torch.compile.
+@cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+@cache
+def _compiled_create_block_mask():
+    return torch.compile(create_block_mask)

@@ -1,0 +1,186 @@
+"""Qwen3 dense decoder, single-device PyTorch on packed micro-batches.
+
+Parallelism (FSDP, TP, CP) is applied from outside by ``parallelize.py``. The model has no
+buffers: rotary tables are computed from the explicit per-token positions on every forward,
+so a model built on the meta device only needs ``to_empty`` + ``init_weights``.
+"""
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_rl.models.attention import (
+    AttentionContext,
+    build_attention_context,
+    packed_attention,
+)
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+
+INIT_STD = 0.02
+
+# Wrapper modules that insert themselves into parameter names (activation checkpointing,
+# torch.compile); seeds are derived from the name without them so wrapping keeps the init.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    """Seed for one parameter's generator: depends on the run seed and the parameter name only."""
+    for prefix in _WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return (seed * 0x9E3779B1 + zlib.crc32(fqn.encode())) % (2**63)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 even for bf16 activations, as Qwen3 was trained.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, 1, head_dim]`` for each token's own position (HF Qwen3 layout)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+    inv_freq = 1.0 / (theta ** (exponents.float() / head_dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, heads, head_dim]`` with the rotate-half convention."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn_context: AttentionContext,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        # -1 heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(num_tokens, -1, self.head_dim)
+        k = self.wk(x).view(num_tokens, -1, self.head_dim)
+        v = self.wv(x).view(num_tokens, -1, self.head_dim)
+        cos, sin = rotary
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        out = packed_attention(q, k, v, attn_context)
+        return self.wo(out.reshape(num_tokens, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, rotary, attn_context):
+        x = x + self.attention(self.attention_norm(x), rotary, attn_context)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, args: Qwen3ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[T, dim]`` of a packed micro-batch.
+
+        Logits are left to the caller (``self.output``), which applies them in token chunks
+        so that ``[T, vocab]`` is never materialized at once.
+        """
+        if tokens.dim() != 1 or positions.shape != tokens.shape or seq_ids.shape != tokens.shape:
+            raise ValueError(
+                "tokens, positions and seq_ids must be 1-D of equal length, got "
+                f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
+            )
+        attn_context = build_attention_context(self.args.attn_backend, seq_ids, positions)
+        h = self.tok_embeddings(tokens)
+        rotary = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rotary, attn_context)
+        return self.norm(h)
+
+    def _apply(self, fn, recurse=True):
+        # Moving parameters across devices where ``.data`` cannot be swapped (``to_empty`` off
+        # the meta device) creates a new Parameter per module, which would silently untie.
+        module = super()._apply(fn, recurse)
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return module
+
+    def num_params(self) -> int:
+        """Distinct parameters (tied embeddings counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def init_param_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill ``tensor`` (the full-shape parameter named ``fqn``) in place from ``generator``."""
+        *_, module_name, param_name = fqn.split(".")
+        if param_name != "weight":
+            raise ValueError(f"no init rule for parameter {fqn!r}")
+        if module_name.endswith("norm"):
+            tensor.fill_(1.0)
+            return
+        if module_name in ("tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"):
+            std = INIT_STD
+        elif module_name in ("wo", "w2"):
+            # Residual-stream writers: keep the residual variance independent of depth.
+            std = INIT_STD / math.sqrt(2 * self.args.n_layers)
+        else:
+            raise ValueError(f"no init rule for parameter {fqn!r}")
+        nn.init.trunc_normal_(tensor, std=std, a=-3 * std, b=3 * std, generator=generator)
+
+    def init_weights(self, seed: int) -> None:
+        """Single-device init; each parameter depends only on (seed, name, shape, device type)."""
+        for fqn, param in self.named_parameters():
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(param_seed(seed, fqn))
+            self.init_param_(fqn, param, generator)

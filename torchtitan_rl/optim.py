@@ -1,0 +1,39 @@
+"""AdamW and the warmup + decay learning-rate schedule."""
+
+import math
+
+import torch
+from torch import nn
+
+
+def build_optimizer(model: nn.Module, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=True
+    )
+
+
+def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_lr_factor: float) -> float:
+    """Multiplier of the base lr for optimizer step ``step`` (1-based).
+
+    Linear warmup from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then linear or
+    cosine decay reaching ``min_lr_factor`` at the last step.
+    """
+    if step <= warmup_steps:
+        return step / (warmup_steps + 1)
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(progress, 1.0)
+    if decay_type == "linear":
+        shape = 1.0 - progress
+    elif decay_type == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        raise ValueError(f"unknown lr_scheduler.decay_type {decay_type!r}; valid: linear, cosine")
+    return min_lr_factor + (1.0 - min_lr_factor) * shape
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_type: str, min_lr_factor: float):
+    # LambdaLR evaluates the factor for its internal counter, which starts at 0 for the
+    # first optimizer step; our schedule is written in 1-based steps.
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda i: lr_factor(i + 1, total_steps, warmup_steps, decay_type, min_lr_factor)
+    )

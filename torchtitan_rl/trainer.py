@@ -1,0 +1,173 @@
+"""The SFT recipe: builds the pieces from a JobConfig and runs the step loop.
+
+The trainer knows mini-batches only; micro-batching, meshes and devices are the engine's.
+"""
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.config import JobConfig, write_resolved_config
+from torchtitan_rl.data.datasets import load_rows
+from torchtitan_rl.data.loader import build_sft_dataloader
+from torchtitan_rl.data.tokenizer import build_tokenizer
+from torchtitan_rl.distributed.init import init_weights_layout_invariant
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.utils import init_distributed
+from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.losses.reduction import NUM_TOKENS, SUM_SQUARED_SEQ_LENS
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.models.attention import resolve_attn_backend
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
+from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
+    p = job_config.parallelism
+    dims = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        cp=p.context_parallel_degree,
+        tp=p.tensor_parallel_degree,
+        world_size=world_size,
+    )
+    if job_config.training.global_batch_size % dims.batch_degree != 0:
+        raise ValueError(
+            f"training.global_batch_size={job_config.training.global_batch_size} is not divisible by the "
+            f"data-parallel degree {dims.batch_degree} (dp_replicate * dp_shard)"
+        )
+    return dims
+
+
+def _check_initial_load(job_config: JobConfig) -> None:
+    path = job_config.checkpoint.initial_load_path
+    if not path:
+        return
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"checkpoint.initial_load_path={path!r} does not exist: put the Hugging Face model "
+            "directory (config.json, *.safetensors, tokenizer.json) there, or clear the key to "
+            "start from random weights"
+        )
+    raise ValueError(
+        f"checkpoint.initial_load_path={path!r}: loading Hugging Face weights is not supported "
+        "yet; clear the key to start from random weights"
+    )
+
+
+def build_model(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, vocab_size: int):
+    """Build on meta, parallelize, then materialize and initialize identically for any layout."""
+    args = dataclasses.replace(
+        qwen3_flavors[job_config.model.flavor],
+        attn_backend=resolve_attn_backend(job_config.model.attn_backend, device),
+    )
+    if vocab_size > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
+            f"has only {args.vocab_size} embeddings"
+        )
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    param_dtype = torch.float32
+    if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
+        param_dtype = torch.bfloat16
+    parallelize_qwen3(model, parallel_dims, param_dtype, torch.float32)
+    model.to_empty(device=device)
+    init_weights_layout_invariant(model, job_config.debug.seed, model.init_param_, param_seed)
+    # Without FSDP there is no mixed-precision policy; autocast stands in for it.
+    autocast_dtype = param_dtype if (parallel_dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
+    return model, args, autocast_dtype
+
+
+def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, vocab_size: int):
+    """The engine and the model hyper-parameters it was built with."""
+    model, model_args, autocast_dtype = build_model(job_config, parallel_dims, device, vocab_size)
+    o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
+    optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+    lr_scheduler = build_lr_scheduler(optimizer, t.steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
+    horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
+    options = EngineOptions(
+        reduction=job_config.loss.reduction,
+        horizon=horizon,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        logits_chunk_size=job_config.loss.logits_chunk_size,
+        max_norm=t.max_norm,
+    )
+    return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
+
+
+class SFTTrainer:
+    def __init__(self, job_config: JobConfig):
+        self.job_config = job_config
+        self.rank, world_size, self.device = init_distributed(job_config.comm.init_timeout_seconds)
+        self.parallel_dims = build_parallel_dims(job_config, world_size)
+        _check_initial_load(job_config)
+        torch.manual_seed(job_config.debug.seed)
+        if job_config.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+        tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+        t = job_config.training
+        rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, job_config.debug.seed)
+
+        self.parallel_dims.build_meshes(self.device.type)
+        self.engine, args = build_engine(job_config, self.parallel_dims, self.device, tokenizer.vocab_size)
+        self.dataloader = build_sft_dataloader(
+            rows,
+            tokenizer,
+            t.seq_len,
+            t.global_batch_size,
+            t.long_sample_policy,
+            job_config.debug.seed,
+            self.parallel_dims.batch_rank(),
+            self.parallel_dims.batch_degree,
+        )
+        if self.rank == 0:
+            write_resolved_config(job_config, os.path.join(job_config.job.dump_folder, "config.toml"))
+        m = job_config.metrics
+        self.metrics = MetricsLogger(
+            self.parallel_dims,
+            self.device,
+            self.rank,
+            os.path.join(job_config.job.dump_folder, m.save_tb_folder) if m.enable_tensorboard else None,
+            num_params=sum(p.numel() for p in self.engine.model.parameters()),
+            flops_per_token_context=6 * args.n_layers * args.n_heads * args.head_dim,
+        )
+
+    def train(self) -> None:
+        log_freq = self.job_config.metrics.log_freq
+        steps = self.job_config.training.steps
+        data_iter = iter(self.dataloader)
+        window_start = time.perf_counter()
+        window_tokens = window_squared_lens = 0
+        logger.info("training %d steps on %d rank(s)", steps, self.parallel_dims.world_size)
+        for step in range(1, steps + 1):
+            samples = next(data_iter)
+            fb = self.engine.forward_backward(samples, "cross_entropy")
+            optim = self.engine.optim_step()
+            window_tokens = window_tokens + fb.counts[NUM_TOKENS]
+            window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
+            if step % log_freq == 0 or step == 1 or step == steps:
+                self.metrics.log(
+                    step,
+                    fb,
+                    optim,
+                    window_tokens,
+                    window_squared_lens,
+                    time.perf_counter() - window_start,
+                    self.dataloader.dataset.stats(),
+                )
+                window_start = time.perf_counter()
+                window_tokens = window_squared_lens = 0
+        self.metrics.close()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
