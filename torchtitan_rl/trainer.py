@@ -22,7 +22,7 @@ from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.reduction import NUM_TOKENS, SUM_SQUARED_SEQ_LENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
-from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
 from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
@@ -63,8 +63,7 @@ def _check_initial_load(job_config: JobConfig) -> None:
     )
 
 
-def build_model(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, vocab_size: int):
-    """Build on meta, parallelize, then materialize and initialize identically for any layout."""
+def model_args_from_config(job_config: JobConfig, device: torch.device, vocab_size: int) -> Qwen3ModelArgs:
     args = dataclasses.replace(
         qwen3_flavors[job_config.model.flavor],
         attn_backend=resolve_attn_backend(job_config.model.attn_backend, device),
@@ -74,22 +73,30 @@ def build_model(job_config: JobConfig, parallel_dims: ParallelDims, device: torc
             f"the tokenizer has {vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
             f"has only {args.vocab_size} embeddings"
         )
+    return args
+
+
+def build_model(
+    args: Qwen3ModelArgs, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype
+) -> Qwen3Model:
+    """Build on meta, parallelize, then materialize and initialize identically for any layout."""
     with torch.device("meta"):
         model = Qwen3Model(args)
-    param_dtype = torch.float32
-    if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
-        param_dtype = torch.bfloat16
     parallelize_qwen3(model, parallel_dims, param_dtype, torch.float32)
     model.to_empty(device=device)
-    init_weights_layout_invariant(model, job_config.debug.seed, model.init_param_, param_seed)
-    # Without FSDP there is no mixed-precision policy; autocast stands in for it.
-    autocast_dtype = param_dtype if (parallel_dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
-    return model, args, autocast_dtype
+    init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
+    return model
 
 
 def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, vocab_size: int):
     """The engine and the model hyper-parameters it was built with."""
-    model, model_args, autocast_dtype = build_model(job_config, parallel_dims, device, vocab_size)
+    model_args = model_args_from_config(job_config, device, vocab_size)
+    param_dtype = torch.float32
+    if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
+        param_dtype = torch.bfloat16
+    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, param_dtype)
+    # Without FSDP there is no mixed-precision policy; autocast stands in for it.
+    autocast_dtype = param_dtype if (parallel_dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
     optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
     lr_scheduler = build_lr_scheduler(optimizer, t.steps, s.warmup_steps, s.decay_type, s.min_lr_factor)

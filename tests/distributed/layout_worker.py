@@ -1,0 +1,91 @@
+"""Run under torchrun: build every layout of this world size, record gradients and metrics.
+
+Usage: torchrun --nproc_per_node=N layout_worker.py OUT.pt
+Rank 0 writes {case name: results} to OUT.pt; the pytest driver compares it to references.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import layout_cases as lc
+from torchtitan_rl.distributed.clip import clip_grad_norm_
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.utils import init_distributed
+from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.trainer import build_model
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def share(samples, dims: ParallelDims):
+    n = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
+    r = dims.batch_rank()
+    return samples[r * n : (r + 1) * n]
+
+
+def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
+    device = torch.device("cpu")
+    model = build_model(lc.model_args(tie), dims, device, lc.SEED, torch.float32)
+    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}" + ("_tied" if tie else "")
+    results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, 1e-8, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
+    for mode, budget, variants, step in cases:
+        options = EngineOptions(mode, lc.HORIZON, budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
+        engine = Engine(model, optimizer, scheduler, dims, device, options)
+        for variant in variants:
+            fb = engine.forward_backward(share(lc.global_batch(variant), dims))
+        grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+        if step:
+            optim = engine.optim_step()
+        else:
+            optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+            model.zero_grad(set_to_none=True)
+        logged = metrics.log(1, fb, optim, fb.counts[NUM_LOSS_TOKENS], fb.counts[NUM_LOSS_TOKENS], 1.0, {})
+        entry = {"grads": grads, "logged": logged}
+        if step:
+            entry["params"] = {fqn: full(p) for fqn, p in model.named_parameters()}
+        results[f"{prefix}/{mode}/budget{budget}/{'+'.join(variants)}" + ("/step" if step else "")] = entry
+
+
+# (reduction mode, micro-batch budget, data passed to successive forward_backward calls, step?)
+CASES = [(mode, budget, ("uneven",), False) for mode in REDUCTION_MODES for budget in lc.BUDGETS] + [
+    ("token_mean", 24, ("uneven", "other"), False),  # two calls accumulate (Tinker)
+    ("token_mean", 24, ("no_loss",), False),  # zero loss tokens: zero gradient, no NaN
+    ("token_mean", 24, ("uneven",), True),  # clipped AdamW step; must stay last
+]
+TIED_CASES = [("token_mean", 24, ("uneven",), False)]
+
+
+def run_all_layouts(world_size: int) -> dict:
+    results: dict = {}
+    for dp_replicate, dp_shard in lc.layouts(world_size):
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, world_size=world_size)
+        dims.build_meshes("cpu")
+        run_layout(dims, False, results, CASES)
+        if dp_replicate == 1:
+            run_layout(dims, True, results, TIED_CASES)
+    return results
+
+
+def main(out_path: str) -> None:
+    rank, world_size, _ = init_distributed(120)
+    results = run_all_layouts(world_size)
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

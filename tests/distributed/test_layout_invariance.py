@@ -1,0 +1,197 @@
+"""The promise: gradient, grad norm and logged loss do not depend on the parallel layout.
+
+One torchrun launch per world size (2 and 4 gloo ranks) runs every layout, reduction mode
+and micro-batch budget (see layout_worker.py); dp=1 runs in this process. Each result is
+compared with a single-process, full-batch reference that runs every sequence alone
+(no packing) and applies the reduction formulas of DESIGN §2 written out by hand.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import layout_cases as lc
+import layout_worker
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RTOL = 1e-5
+
+
+def launch(world_size: int, out_path: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
+           os.path.join(HERE, "layout_worker.py"), out_path]
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(out_path)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[int, dict]:
+    out = tmp_path_factory.mktemp("layouts")
+    by_world = {w: launch(w, str(out / f"world{w}.pt")) for w in (2, 4)}
+    by_world[1] = layout_worker.run_all_layouts(1)
+    return by_world
+
+
+# ---------------------------------------------------------------- the reference, by hand
+
+
+def reference_model(tie: bool) -> Qwen3Model:
+    model = Qwen3Model(lc.model_args(tie))
+    model.init_weights(lc.SEED)
+    return model
+
+
+def per_sequence_losses(model: Qwen3Model, variant: str):
+    """(token losses, mask) of each sequence, each run through the model on its own."""
+    out = []
+    for s in lc.global_batch(variant):
+        n = len(s)
+        hidden = model(s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        out.append((F.cross_entropy(model.output(hidden), s.labels, reduction="none"), s.loss_mask.float()))
+    return out
+
+
+def greedy_plan(lengths: list[int], budget: int) -> list[list[int]]:
+    if budget == 0:
+        return [list(range(len(lengths)))]
+    groups, used = [[]], 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def reduced_loss(seqs, mode: str, budget: int, dp: int) -> torch.Tensor:
+    n = [m.sum() for _, m in seqs]
+    sums = [(l * m).sum() for l, m in seqs]
+    total_tokens = sum(n)
+    num_seqs = sum(1 for k in n if k > 0)
+    if mode == "sum":
+        return sum(sums)
+    if mode == "token_mean":
+        return sum(sums) / total_tokens if total_tokens > 0 else sum(sums) * 0
+    if mode == "sequence_mean":
+        return sum(s / k for s, k in zip(sums, n) if k > 0) / num_seqs
+    if mode == "seq_mean_token_sum_norm":
+        return sum(sums) / (lc.HORIZON * num_seqs)
+    assert mode == "token_mean_legacy"
+    per_rank = lc.GLOBAL_BATCH_SIZE // dp
+    means = []
+    for r in range(dp):
+        idx = list(range(r * per_rank, (r + 1) * per_rank))
+        for group in greedy_plan([len(seqs[i][0]) for i in idx], budget):
+            k = sum(n[idx[j]] for j in group)
+            if k > 0:
+                means.append(sum(sums[idx[j]] for j in group) / k)
+    return sum(means) / len(means)
+
+
+def reference(mode: str, budget: int, variants: tuple, dp: int, tie: bool = False):
+    model = reference_model(tie)
+    losses = []
+    for variant in variants:
+        seqs = per_sequence_losses(model, variant)
+        losses.append(reduced_loss(seqs, mode, budget, dp))
+    sum(losses).backward()
+    grads = {fqn: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for fqn, p in model.named_parameters()}
+    last = per_sequence_losses(model, variants[-1])
+    max_loss = max([float((l * m).sum().detach() / m.sum()) for l, m in last if m.sum() > 0], default=0.0)
+    loss_tokens = int(sum(m.sum() for _, m in last))
+    return model, float(losses[-1]), grads, max_loss, loss_tokens
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL):
+    err = (actual - expected).norm()
+    scale = expected.norm()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert err <= rtol * scale + 1e-9, f"{what}: relative error {float(err / scale.clamp(min=1e-30)):.3e}"
+
+
+def grad_norm(grads: dict) -> float:
+    return float(torch.stack([g.norm() for g in grads.values()]).norm())
+
+
+def layout_keys(results, world):
+    return sorted({k.split("/")[0] for k in results[world]})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_initial_weights_identical_for_every_layout(results, world):
+    for layout in layout_keys(results, world):
+        ref = reference_model(layout.endswith("_tied"))
+        got = results[world][f"{layout}/init"]
+        for fqn, p in ref.named_parameters():
+            torch.testing.assert_close(got[fqn], p.detach(), rtol=0, atol=0, msg=f"{layout} {fqn}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world):
+    checked = 0
+    for key, entry in results[world].items():
+        parts = key.split("/")
+        if parts[-1] == "init" or parts[-1] == "step":
+            continue
+        layout, mode, budget, variants = parts[0], parts[1], int(parts[2][len("budget"):]), tuple(parts[3].split("+"))
+        dp = world  # every layout of this world size is pure data parallel
+        _, loss, grads, max_loss, loss_tokens = reference(mode, budget, variants, dp, layout.endswith("_tied"))
+        for fqn, g in grads.items():
+            assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}")
+        logged = entry["logged"]
+        assert logged["loss_metrics/global_avg_loss"] == pytest.approx(loss, rel=RTOL, abs=1e-12), key
+        assert logged["loss_metrics/global_max_loss"] == pytest.approx(max_loss, rel=RTOL, abs=1e-12), key
+        assert logged["grad_norm"] == pytest.approx(grad_norm(grads), rel=RTOL, abs=1e-12), key
+        assert logged["tokens/loss_tokens"] == loss_tokens, key
+        checked += 1
+    assert checked >= len(layout_worker.CASES) - 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_zero_loss_token_batch_gives_zero_gradient(results, world):
+    for layout in layout_keys(results, world):
+        entry = results[world][f"{layout}/token_mean/budget24/no_loss"] if not layout.endswith("_tied") else None
+        if entry is None:
+            continue
+        assert all(torch.equal(g, torch.zeros_like(g)) for g in entry["grads"].values())
+        assert entry["logged"]["loss_metrics/global_avg_loss"] == 0.0
+        assert entry["logged"]["grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_clipped_adamw_step_equals_reference(results, world):
+    model, _, grads, _, _ = reference("token_mean", 24, ("uneven",), world)
+    norm = grad_norm(grads)
+    assert norm > lc.MAX_NORM, "the case must exercise clipping"
+    scale = lc.MAX_NORM / (norm + 1e-6)
+    for fqn, p in model.named_parameters():
+        p.grad = grads[fqn] * scale
+    # Schedule of the worker: 10 steps, no warmup, linear decay -> step 1 runs at 0.9 * lr.
+    torch.optim.AdamW(model.parameters(), lr=lc.LR * 0.9, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1).step()
+    for layout in layout_keys(results, world):
+        if layout.endswith("_tied"):
+            continue
+        got = results[world][f"{layout}/token_mean/budget24/uneven/step"]["params"]
+        for fqn, p in model.named_parameters():
+            torch.testing.assert_close(got[fqn], p.detach(), rtol=1e-5, atol=1e-6, msg=f"{layout} {fqn}")
+
+
+def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
+    """token_mean_legacy must differ from token_mean when micro-batches hold unequal counts."""
+    legacy = results[2]["rep1_shard2/token_mean_legacy/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    exact = results[2]["rep1_shard2/token_mean/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    legacy_one_mb = results[1]["rep1_shard1/token_mean_legacy/budget0/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    assert abs(legacy - exact) > 1e-3 * abs(exact)
+    assert abs(legacy - legacy_one_mb) > 1e-3 * abs(exact)
+    assert legacy_one_mb == pytest.approx(exact, rel=RTOL)  # one micro-batch on one rank: same thing
