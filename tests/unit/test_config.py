@@ -165,11 +165,11 @@ def test_literal_values_accepted():
 
 
 def test_optional_none_resets(tmp_path):
-    path = write(tmp_path, "[loss]\nhorizon = 64\n")
+    path = write(tmp_path, '[loss]\nreduction = "seq_mean_token_sum_norm"\nhorizon = 64\n')
     assert parse("--job.config_file", path).loss.horizon == 64
     assert parse("--job.config_file", path, "--loss.horizon", "none").loss.horizon is None
     assert parse("--loss.horizon", "None").loss.horizon is None
-    assert parse("--loss.horizon", "128").loss.horizon == 128
+    assert parse("--job.config_file", path, "--loss.horizon", "128").loss.horizon == 128
 
 
 # A config class of its own, to test list parsing generically.
@@ -293,7 +293,6 @@ def test_range_checked_for_toml_values(tmp_path):
         ("training.max_norm", "0", 0.0),
         ("parallelism.data_parallel_shard_degree", "-1", -1),
         ("parallelism.data_parallel_shard_degree", "3", 3),
-        ("loss.horizon", "1", 1),
         ("metrics.log_freq", "1", 1),
     ],
 )
@@ -310,6 +309,24 @@ def test_max_tokens_per_microbatch_vs_seq_len():
     ok = parse("--training.seq_len", "128", "--training.max_tokens_per_microbatch", "128")
     assert ok.training.max_tokens_per_microbatch == 128
     assert parse("--training.seq_len", "4096").training.max_tokens_per_microbatch == 0
+
+
+def test_horizon_only_with_the_mode_that_uses_it():
+    assert_error(["--loss.horizon", "64"], "loss.horizon", "seq_mean_token_sum_norm", "'token_mean'")
+    cfg = parse("--loss.reduction", "seq_mean_token_sum_norm", "--loss.horizon", "1")
+    assert cfg.loss.horizon == 1  # the smallest valid horizon
+    assert_error(["--loss.reduction", "seq_mean_token_sum_norm", "--loss.horizon", "0"], "loss.horizon", "> 0")
+
+
+def test_legacy_mode_rejected_with_context_parallel():
+    assert_error(
+        ["--loss.reduction", "token_mean_legacy", "--parallelism.context_parallel_degree", "2"],
+        "token_mean_legacy", "parallelism.context_parallel_degree",
+    )
+
+
+def test_unknown_reduction_lists_valid_modes():
+    assert_error(["--loss.reduction", "mean"], "loss.reduction", "token_mean", "sequence_mean", "token_mean_legacy")
 
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "0.6B", "1.7B", "4B", "8B"])
@@ -461,7 +478,7 @@ def test_resolved_config_round_trip(tmp_path):
         "--job.config_file", recipe,
         "--job.description", 'quote " backslash \\ newline \n tab \t del \x7f ünï',
         "--loss.horizon", "300",
-        "--loss.reduction", "sequence_mean",
+        "--loss.reduction", "seq_mean_token_sum_norm",
         "--metrics.enable_tensorboard", "false",
         "--optimizer.eps", "1e-12",
         "--optimizer.lr", "3",

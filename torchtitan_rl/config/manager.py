@@ -183,6 +183,19 @@ def _check_job_config(cfg: JobConfig) -> None:
             f"training.max_tokens_per_microbatch: must be 0 or >= training.seq_len "
             f"({training.seq_len}) so every sequence fits, got {training.max_tokens_per_microbatch}"
         )
+    loss = cfg.loss
+    if loss.horizon is not None and loss.reduction != "seq_mean_token_sum_norm":
+        # Fail closed: a horizon the chosen mode ignores is almost surely a mistaken mode.
+        raise ValueError(
+            f"loss.horizon: only used by loss.reduction = 'seq_mean_token_sum_norm', "
+            f"but the reduction is {loss.reduction!r}; remove the key or change the mode"
+        )
+    if loss.reduction == "token_mean_legacy" and cfg.parallelism.context_parallel_degree > 1:
+        raise ValueError(
+            "loss.reduction: 'token_mean_legacy' averages per micro-batch of whole sequences, "
+            "which is ill-defined when context parallel splits sequences over ranks "
+            f"(parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree})"
+        )
     shard = cfg.parallelism.data_parallel_shard_degree
     if shard != -1 and shard < 1:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
