@@ -15,13 +15,13 @@ def build_optimizer(model: nn.Module, lr: float, beta1: float, beta2: float, eps
 def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, min_lr_factor: float) -> float:
     """Multiplier of the base lr for optimizer step ``step`` (1-based).
 
-    Linear warmup from 1/(warmup+1) to 1 over ``warmup_steps`` steps, then linear or
-    cosine decay reaching ``min_lr_factor`` at the last step.
+    Linear warmup over ``warmup_steps`` steps (1/(w+1) ... w/(w+1)), the full lr at the
+    first step after warmup, then linear or cosine decay reaching ``min_lr_factor`` at the
+    last step.
     """
     if step <= warmup_steps:
         return step / (warmup_steps + 1)
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(progress, 1.0)
+    progress = min(1.0, (step - warmup_steps - 1) / max(1, total_steps - warmup_steps - 1))
     if decay_type == "linear":
         shape = 1.0 - progress
     elif decay_type == "cosine":

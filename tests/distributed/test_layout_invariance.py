@@ -177,8 +177,8 @@ def test_clipped_adamw_step_equals_reference(results, world):
     scale = lc.MAX_NORM / (norm + 1e-6)
     for fqn, p in model.named_parameters():
         p.grad = grads[fqn] * scale
-    # Schedule of the worker: 10 steps, no warmup, linear decay -> step 1 runs at 0.9 * lr.
-    torch.optim.AdamW(model.parameters(), lr=lc.LR * 0.9, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1).step()
+    # Schedule of the worker: no warmup, so step 1 runs at the full lr.
+    torch.optim.AdamW(model.parameters(), lr=lc.LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1).step()
     for layout in layout_keys(results, world):
         if layout.endswith("_tied"):
             continue

@@ -58,7 +58,7 @@ class Optimizer:
     """Optimizer class."""
 
     lr: float = bounded(8e-4, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, used at the first step after warmup."""
 
     beta1: float = bounded(0.9, ge=0, lt=1)
     """Adam first-moment decay."""

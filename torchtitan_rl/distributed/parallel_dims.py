@@ -58,9 +58,9 @@ class ParallelDims:
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:
             raise ValueError(
-                f"dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * cp "
-                f"({self.cp}) * tp ({self.tp}) = {others * self.dp_shard} does not equal the "
-                f"world size {self.world_size}"
+                f"{names['dp_replicate']} ({self.dp_replicate}) * {names['dp_shard']} ({self.dp_shard}) "
+                f"* {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) = {others * self.dp_shard} "
+                f"does not equal the world size {self.world_size}"
             )
 
     @property

@@ -1,0 +1,362 @@
+"""Engine, chunked cross-entropy, clipping and the lr schedule, single process on CPU.
+
+References are independent of the code under test: ``F.cross_entropy`` on full logits,
+a per-sequence (unpacked) forward of the same model with the mode's loss written out, and
+formulas for the clipping coefficient and the schedule.
+"""
+
+import copy
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan_rl.data.packing import plan_microbatches
+from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.losses.cross_entropy import token_cross_entropy
+from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer, lr_factor
+from torchtitan_rl.trainer import build_model
+
+CPU = torch.device("cpu")
+HORIZON = 20
+ARGS = Qwen3ModelArgs(
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=48,
+    rope_theta=10_000.0,
+    max_seq_len=64,
+    attn_backend="sdpa_dense",
+)
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0):
+    dims = ParallelDims(1, 1, 1, 1, world_size=1)
+    dims.build_meshes("cpu")
+    model = build_model(ARGS, dims, CPU, seed, torch.float32)
+    optimizer = build_optimizer(model, LR, BETAS[0], BETAS[1], EPS, WD)
+    scheduler = build_lr_scheduler(optimizer, steps, warmup, "linear", 0.1)
+    options = EngineOptions(
+        reduction=reduction,
+        horizon=HORIZON,
+        max_tokens_per_microbatch=max_tokens,
+        logits_chunk_size=chunk,
+        max_norm=max_norm,
+    )
+    return Engine(model, optimizer, scheduler, dims, CPU, options)
+
+
+def random_raw(seed: int, num: int = 6, max_len: int = 11):
+    rng = random.Random(seed)
+    raw = []
+    for i in range(num):
+        n = 2 if i == 2 else rng.randint(3, max_len)
+        tokens = [rng.randrange(ARGS.vocab_size) for _ in range(n)]
+        if i == 1:
+            mask = [False] * n  # a sequence without loss tokens
+        else:
+            mask = [False] + [rng.random() < 0.7 for _ in range(n - 1)]
+            mask[-1] = True
+        raw.append((tokens, mask))
+    return raw
+
+
+def samples_of(raw):
+    return [Sample.from_tokens(tokens, mask) for tokens, mask in raw]
+
+
+def per_sequence_token_losses(model, raw):
+    """Cross-entropy of every token, one unpacked sequence at a time, full logits."""
+    out = []
+    for tokens, _ in raw:
+        ids = torch.tensor(tokens[:-1])
+        n = ids.numel()
+        hidden = model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        logits = model.output(hidden).float()
+        out.append(F.cross_entropy(logits, torch.tensor(tokens[1:]), reduction="none"))
+    return out
+
+
+def reference_loss(model, raw, mode):
+    losses = per_sequence_token_losses(model, raw)
+    masks = [torch.tensor(mask[1:], dtype=torch.float32) for _, mask in raw]
+    seq_sums = [(l * m).sum() for l, m in zip(losses, masks)]
+    n = [int(m.sum()) for m in masks]
+    big_n, big_b = sum(n), sum(1 for x in n if x > 0)
+    if mode == "sum":
+        return sum(seq_sums)
+    if mode == "token_mean":
+        return sum(seq_sums) / big_n
+    if mode == "sequence_mean":
+        return sum(s / k for s, k in zip(seq_sums, n) if k > 0) / big_b
+    if mode == "seq_mean_token_sum_norm":
+        return sum(seq_sums) / (HORIZON * big_b)
+    raise AssertionError(mode)
+
+
+def reference_grads(model, raw, mode):
+    params = list(model.parameters())
+    loss = reference_loss(model, raw, mode)
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+def grads_of(model):
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def assert_grads_close(got, expected):
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- chunked cross-entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 12, 50])
+def test_token_cross_entropy_matches_full_logits(chunk):
+    torch.manual_seed(0)
+    num_tokens, dim, vocab = 12, 16, 40
+    output = nn.Linear(dim, vocab, bias=False)
+    ref_output = copy.deepcopy(output)
+    hidden = torch.randn(num_tokens, dim, requires_grad=True)
+    ref_hidden = hidden.detach().clone().requires_grad_()
+    labels = torch.randint(0, vocab, (num_tokens,))
+    weights = torch.rand(num_tokens)
+
+    rows_seen = []
+    output.register_forward_hook(lambda mod, inp, out: rows_seen.append(inp[0].shape[0]))
+    got = token_cross_entropy(hidden, output, labels, chunk)
+    # Logits are computed chunk by chunk, never all T rows at once (unless T <= chunk).
+    expected_rows = [min(chunk, num_tokens - s) for s in range(0, num_tokens, chunk)]
+    assert rows_seen == expected_rows
+    (got * weights).sum().backward()
+
+    ref = F.cross_entropy(ref_output(ref_hidden), labels, reduction="none")
+    (ref * weights).sum().backward()
+    assert got.shape == (num_tokens,)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(output.weight.grad, ref_output.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("max_tokens", [0, 12])
+def test_forward_logprobs_match_per_sequence_log_softmax(max_tokens):
+    engine = make_engine(max_tokens=max_tokens, chunk=7)
+    raw = random_raw(1)
+    samples = samples_of(raw)
+    if max_tokens:
+        assert len(plan_microbatches([len(s) for s in samples], max_tokens)) > 1
+    got = engine.forward(samples)
+    assert len(got) == len(raw)
+    model = engine.model
+    with torch.no_grad():
+        for (tokens, _), lp in zip(raw, got):
+            ids = torch.tensor(tokens[:-1])
+            n = ids.numel()
+            logits = model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long)))
+            expected = logits.float().log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            assert lp.shape == (n,)
+            torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------- forward_backward
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum"])
+def test_forward_backward_matches_reference_for_any_microbatching(mode):
+    raw = random_raw(2)
+    samples = samples_of(raw)
+    results = []
+    for max_tokens in (0, 12, 10):
+        engine = make_engine(reduction=mode, max_tokens=max_tokens)
+        if max_tokens:
+            assert len(plan_microbatches([len(s) for s in samples], max_tokens)) > 1
+        metrics = engine.forward_backward(samples, "cross_entropy")
+        results.append((engine, metrics, grads_of(engine.model)))
+    model = results[0][0].model
+    ref_loss, ref_grads = reference_grads(model, raw, mode)
+    one_mb_grads = results[0][2]
+    for engine, metrics, grads in results:
+        assert_grads_close(grads, ref_grads)
+        assert_grads_close(grads, one_mb_grads)
+        torch.testing.assert_close(metrics.loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert int(metrics.counts[NUM_LOSS_TOKENS]) == sum(sum(m[1:]) for _, m in raw)
+        assert int(metrics.counts[NUM_SEQS_WITH_LOSS]) == sum(1 for _, m in raw if any(m[1:]))
+        assert int(metrics.counts[NUM_TOKENS]) == sum(len(t) - 1 for t, _ in raw)
+
+
+def test_forward_backward_max_seq_loss():
+    raw = random_raw(3)
+    engine = make_engine(max_tokens=12)
+    metrics = engine.forward_backward(samples_of(raw))
+    with torch.no_grad():
+        losses = per_sequence_token_losses(engine.model, raw)
+    means = [
+        float((l * torch.tensor(m[1:], dtype=torch.float32)).sum()) / sum(m[1:])
+        for l, (_, m) in zip(losses, raw)
+        if any(m[1:])
+    ]
+    assert math.isclose(float(metrics.max_seq_loss), max(means), rel_tol=1e-5)
+
+
+def test_forward_backward_calls_accumulate():
+    raw_a, raw_b = random_raw(4, num=4), random_raw(5, num=3)
+    engine = make_engine(max_tokens=12)
+    engine.forward_backward(samples_of(raw_a))
+    engine.forward_backward(samples_of(raw_b))
+    got = grads_of(engine.model)
+    _, grads_a = reference_grads(engine.model, raw_a, "token_mean")
+    _, grads_b = reference_grads(engine.model, raw_b, "token_mean")
+    assert_grads_close(got, [a + b for a, b in zip(grads_a, grads_b)])
+    # And not just one of them.
+    assert any(not torch.allclose(g, a, rtol=1e-3, atol=1e-6) for g, a in zip(got, grads_a))
+
+
+def test_unknown_loss_fn():
+    engine = make_engine()
+    with pytest.raises(ValueError, match="'nope'.*cross_entropy"):
+        engine.forward_backward(samples_of(random_raw(6)), "nope")
+    assert all(p.grad is None for p in engine.model.parameters())
+
+
+# ---------------------------------------------------------------- optim_step
+
+
+def run_optim_step(max_norm):
+    """forward_backward + optim_step; returns what the optimizer saw and the reference step."""
+    engine = make_engine(reduction="sum", max_tokens=12, max_norm=max_norm, steps=10, warmup=2)
+    engine.forward_backward(samples_of(random_raw(7)))
+    params = list(engine.model.parameters())
+    before = [p.detach().clone() for p in params]
+    grads = grads_of(engine.model)
+    seen = {}
+
+    def record_grads(optimizer, args, kwargs):
+        seen["grads"] = [p.grad.detach().clone() for p in params]
+
+    handle = engine.optimizer.register_step_pre_hook(record_grads)
+    out = engine.optim_step()
+    handle.remove()
+    return engine, out, before, grads, seen["grads"]
+
+
+def brute_force_norm(grads):
+    return math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads))
+
+
+def adamw_reference(before, clipped, lr):
+    params = [nn.Parameter(p.clone()) for p in before]
+    opt = torch.optim.AdamW(params, lr=lr, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False)
+    for p, g in zip(params, clipped):
+        p.grad = g.clone()
+    opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("relative_max_norm", [0.1, 0.5, 2.0, 0.0])
+def test_optim_step_clips_steps_and_zeroes(relative_max_norm):
+    # Probe the norm once to set max_norm relative to it (0.0 disables clipping).
+    probe = make_engine(reduction="sum", max_tokens=12)
+    probe.forward_backward(samples_of(random_raw(7)))
+    norm = brute_force_norm(grads_of(probe.model))
+    assert norm > 0
+    max_norm = relative_max_norm * norm
+
+    engine, out, before, grads, seen = run_optim_step(max_norm)
+    assert math.isclose(float(out["grad_norm"]), brute_force_norm(grads), rel_tol=1e-5)
+    assert math.isclose(float(out["grad_norm"]), norm, rel_tol=1e-5)
+
+    coef = min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+    for s, g in zip(seen, grads):
+        torch.testing.assert_close(s, g * coef, rtol=1e-5, atol=1e-9)
+    post = brute_force_norm(seen)
+    if max_norm > 0 and max_norm < norm:
+        assert math.isclose(post, max_norm, rel_tol=1e-4)
+    else:
+        assert math.isclose(post, norm, rel_tol=1e-5)
+
+    # warmup 2 of 10 steps: the first optimizer step runs at 1/3 of the base lr.
+    assert math.isclose(out["lr"], LR * 1 / 3, rel_tol=1e-9)
+    expected = adamw_reference(before, seen, out["lr"])
+    for p, e in zip(engine.model.parameters(), expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None for p in engine.model.parameters())
+    # The scheduler advanced: the next step uses step 2's factor, 2/3.
+    assert math.isclose(engine.lr_scheduler.get_last_lr()[0], LR * 2 / 3, rel_tol=1e-9)
+
+
+# ---------------------------------------------------------------- learning-rate schedule
+
+
+def expected_factor(step, total, warmup, decay, min_factor):
+    """Linear warmup step/(warmup+1) for steps 1..warmup, then the full lr (factor 1) at the
+    first step after warmup, decaying (linear or cosine) to min_factor at step ``total``."""
+    if step <= warmup:
+        return step / (warmup + 1)
+    progress = min(1.0, (step - warmup - 1) / (total - warmup - 1))
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_factor + (1.0 - min_factor) * shape
+
+
+SCHEDULES = [(10, 0, 0.0), (10, 3, 0.1), (20, 5, 0.25), (7, 1, 0.0)]
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine"])
+@pytest.mark.parametrize("total, warmup, min_factor", SCHEDULES)
+def test_lr_factor_warmup_and_last_step(decay, total, warmup, min_factor):
+    for step in range(1, warmup + 1):
+        assert math.isclose(lr_factor(step, total, warmup, decay, min_factor), step / (warmup + 1))
+    assert math.isclose(lr_factor(total, total, warmup, decay, min_factor), min_factor, abs_tol=1e-12)
+    # Past the end it stays at the floor.
+    assert math.isclose(lr_factor(total + 3, total, warmup, decay, min_factor), min_factor, abs_tol=1e-12)
+    # Decay is monotone non-increasing after warmup.
+    values = [lr_factor(s, total, warmup, decay, min_factor) for s in range(warmup + 1, total + 1)]
+    assert all(a >= b - 1e-12 for a, b in zip(values, values[1:]))
+
+
+def test_lr_factor_formula():
+    for total, warmup, min_factor in SCHEDULES:
+        for decay in ("linear", "cosine"):
+            # The configured lr itself is reached, right after warmup (config doc: "linear
+            # warmup from 0 to optimizer.lr"; lr_factor docstring: "... to 1").
+            peak = lr_factor(warmup + 1, total, warmup, decay, min_factor)
+            assert math.isclose(peak, 1.0), (total, warmup, decay, peak)
+            for step in range(1, total + 1):
+                expected = expected_factor(step, total, warmup, decay, min_factor)
+                got = lr_factor(step, total, warmup, decay, min_factor)
+                assert math.isclose(got, expected, abs_tol=1e-12), (total, warmup, decay, step)
+
+
+def test_build_lr_scheduler_follows_the_formula():
+    total, warmup, min_factor, base = 12, 3, 0.1, 0.5
+    for decay in ("linear", "cosine"):
+        param = nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.SGD([param], lr=base)
+        scheduler = build_lr_scheduler(optimizer, total, warmup, decay, min_factor)
+        for step in range(1, total + 1):
+            # The lr the step-th optimizer step runs with.
+            expected = base * expected_factor(step, total, warmup, decay, min_factor)
+            assert math.isclose(optimizer.param_groups[0]["lr"], expected), (decay, step)
+            optimizer.step()
+            scheduler.step()
+
+
+def test_lr_factor_unknown_decay():
+    with pytest.raises(ValueError, match="lr_scheduler.decay_type"):
+        lr_factor(5, 10, 2, "step", 0.0)

@@ -1,0 +1,159 @@
+"""ParallelDims validation (DESIGN §3, §10: errors name the config key) and the DP degree."""
+
+import pytest
+
+from torchtitan_rl.config import ConfigManager
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.trainer import build_parallel_dims
+
+KEYS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+}
+
+
+def error_of(*args, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        ParallelDims(*args, **kwargs)
+    return str(info.value)
+
+
+# ---------------------------------------------------------------- valid layouts
+
+
+@pytest.mark.parametrize(
+    "dp_replicate, dp_shard, world_size, expected_shard",
+    [(1, -1, 1, 1), (1, -1, 4, 4), (2, -1, 8, 4), (4, -1, 4, 1), (3, -1, 6, 2), (2, 3, 6, 3), (1, 5, 5, 5)],
+)
+def test_valid_layouts_and_batch_degree(dp_replicate, dp_shard, world_size, expected_shard):
+    dims = ParallelDims(dp_replicate, dp_shard, 1, 1, world_size=world_size)
+    assert dims.dp_shard == expected_shard
+    assert dims.dp_replicate == dp_replicate
+    assert dims.batch_degree == dp_replicate * expected_shard
+    assert dims.batch_degree * dims.cp * dims.tp == world_size
+
+
+def test_single_rank_meshes_are_none():
+    dims = ParallelDims(1, -1, 1, 1, world_size=1)
+    dims.build_meshes("cpu")
+    for name in ("batch", "fsdp", "loss", "cp", "tp", "dp_shard", "dp_replicate"):
+        assert dims.mesh(name) is None
+    assert dims.fsdp_mesh() is None
+    assert dims.batch_rank() == 0
+    assert dims.batch_degree == 1
+
+
+# ---------------------------------------------------------------- invalid layouts
+
+
+@pytest.mark.parametrize("dim", ["dp_replicate", "cp", "tp"])
+@pytest.mark.parametrize("value", [0, -1, -3])
+def test_degree_below_one(dim, value):
+    degrees = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, dim: value}
+    message = error_of(**degrees, world_size=1)
+    assert KEYS[dim] in message
+    assert str(value) in message
+
+
+@pytest.mark.parametrize("value", [0, -2, -5])
+def test_dp_shard_zero_or_below_minus_one(value):
+    message = error_of(1, value, 1, 1, world_size=4)
+    assert KEYS["dp_shard"] in message
+    assert str(value) in message
+
+
+@pytest.mark.parametrize("dim", ["tp", "cp"])
+def test_tp_and_cp_not_yet_supported(dim):
+    degrees = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, dim: 2}
+    message = error_of(**degrees, world_size=4)
+    assert KEYS[dim] in message
+    assert "not yet supported" in message
+
+
+@pytest.mark.parametrize("dp_replicate, world_size", [(3, 4), (2, 5), (4, 6)])
+def test_dp_shard_inference_needs_divisible_world_size(dp_replicate, world_size):
+    message = error_of(dp_replicate, -1, 1, 1, world_size=world_size)
+    assert KEYS["dp_shard"] in message
+    assert str(world_size) in message
+
+
+def test_product_must_equal_world_size():
+    for dp_replicate, dp_shard, world_size in [(1, 3, 4), (2, 2, 8), (2, 1, 1), (1, 2, 1), (3, 2, 4)]:
+        message = error_of(dp_replicate, dp_shard, 1, 1, world_size=world_size)
+        assert str(world_size) in message
+        # DESIGN §10: the message names the config key of every degree that takes part
+        # (is not 1), so the user knows which setting to change.
+        for dim, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+            if value != 1:
+                assert KEYS[dim] in message, message
+
+
+# ---------------------------------------------------------------- trainer.build_parallel_dims
+
+
+def config(*argv: str):
+    return ConfigManager().parse_args(list(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, world_size",
+    [
+        (["--training.global_batch_size", "3", "--parallelism.data_parallel_shard_degree", "2"], 2),
+        (["--training.global_batch_size", "6"], 4),  # dp_shard -1 -> 4
+        (
+            [
+                "--training.global_batch_size",
+                "6",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "2",
+            ],
+            4,
+        ),
+    ],
+)
+def test_build_parallel_dims_batch_not_divisible(argv, world_size):
+    cfg = config(*argv)
+    with pytest.raises(ValueError, match=r"training\.global_batch_size") as info:
+        build_parallel_dims(cfg, world_size)
+    assert str(cfg.training.global_batch_size) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, batch_degree",
+    [
+        (["--training.global_batch_size", "4", "--parallelism.data_parallel_shard_degree", "2"], 2, 2),
+        (["--training.global_batch_size", "8"], 4, 4),
+        (["--training.global_batch_size", "3"], 1, 1),
+        (
+            [
+                "--training.global_batch_size",
+                "12",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "3",
+            ],
+            6,
+            6,
+        ),
+    ],
+)
+def test_build_parallel_dims_ok(argv, world_size, batch_degree):
+    dims = build_parallel_dims(config(*argv), world_size)
+    assert dims.batch_degree == batch_degree
+    assert dims.world_size == world_size
+
+
+def test_build_parallel_dims_passes_on_layout_errors():
+    cfg = config("--parallelism.tensor_parallel_degree", "2")
+    with pytest.raises(ValueError) as info:
+        build_parallel_dims(cfg, 2)
+    assert KEYS["tp"] in str(info.value)
+    cfg = config("--parallelism.data_parallel_replicate_degree", "3")
+    with pytest.raises(ValueError) as info:
+        build_parallel_dims(cfg, 4)
+    assert KEYS["dp_shard"] in str(info.value)  # cannot infer dp_shard from 4 / 3
