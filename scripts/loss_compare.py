@@ -45,6 +45,7 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -55,9 +56,13 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.tensorboard_io import event_files, read_scalars
-
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+try:
+    from torchtitan_rl.tensorboard_io import event_files, read_scalars
+except ModuleNotFoundError:  # a python without the editable install: use this checkout
+    sys.path.insert(0, REPO_ROOT)
+    from torchtitan_rl.tensorboard_io import event_files, read_scalars
+
 DEFAULT_TAGS = ("loss_metrics/global_avg_loss", "grad_norm")
 SHORT_NAMES = {"loss_metrics/global_avg_loss": "loss"}
 LOG_NAME = "train.log"
@@ -195,11 +200,11 @@ def _copy_output(pipe, log, echo_prefix: str | None) -> None:
 def _kill(proc: subprocess.Popen) -> None:
     """Stop the launcher and its ranks (they share its session, started for this purpose)."""
     try:
-        os.killpg(proc.pid, 15)
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()

@@ -202,10 +202,10 @@ def _malformed_jsonl(folder: Path) -> Path:
 BAD_INPUT = {
     "replicate_not_dividing_world": (
         2, ["--parallelism.data_parallel_replicate_degree", "3"],
-        ["world size 2 is not divisible", "3", "parallelism.data_parallel_shard_degree"]),
+        ["world size 2", "not divisible", "replicate", "3"]),
     "shard_not_matching_world": (
         None, ["--parallelism.data_parallel_shard_degree", "3"],
-        ["dp_shard (3)", "does not equal the world size 1"]),
+        ["parallelism.data_parallel_shard_degree (3)", "does not equal the world size 1"]),
     "global_batch_not_divisible": (
         2, ["--training.global_batch_size", "3"],
         ["training.global_batch_size=3", "not divisible", "data-parallel degree 2"]),

@@ -211,11 +211,14 @@ def _check_job_config(cfg: JobConfig) -> None:
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:
     # Leaf matches catch a key in the wrong section ("training.lr") or with none ("steps").
-    leaf = name.rpartition(".")[2]
+    # Within the same section only the leaf is compared: a shared "training." prefix would
+    # otherwise make unrelated keys look alike.
+    section, _, leaf = name.rpartition(".")
     by_leaf = {c.rpartition(".")[2]: c for c in candidates}
+    same_section = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
     close = (
         ([by_leaf[leaf]] if leaf in by_leaf else [])
-        or difflib.get_close_matches(name, candidates, n=1)
+        or [same_section[m] for m in difflib.get_close_matches(leaf, same_section, n=1)]
         or [by_leaf[m] for m in difflib.get_close_matches(leaf, by_leaf, n=1)]
     )
     return f"; did you mean '{close[0]}'?" if close else ""

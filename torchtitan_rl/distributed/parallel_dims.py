@@ -52,8 +52,9 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by "
-                    f"dp_replicate * cp * tp = {others}; cannot infer {names['dp_shard']}"
+                    f"world size {self.world_size} is not divisible by {names['dp_replicate']} "
+                    f"({self.dp_replicate}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) "
+                    f"= {others}; cannot infer {names['dp_shard']} = -1"
                 )
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:
