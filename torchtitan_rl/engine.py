@@ -17,7 +17,7 @@ from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import host_max
-from torchtitan_rl.losses.cross_entropy import token_cross_entropy
+from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import global_counts, token_weights
 
 LOSS_FNS = ("cross_entropy",)
@@ -39,6 +39,7 @@ class EngineOptions:
     max_tokens_per_microbatch: int
     logits_chunk_size: int
     max_norm: float
+    loss_parallel: bool = True
 
 
 class Engine:
@@ -70,12 +71,24 @@ class Engine:
         """The rank's plan, padded so every rank runs the same number of passes."""
         num_local = len(plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch))
         num_microbatches = max(1, host_max(num_local, self.parallel_dims.mesh("batch")))
-        return build_microbatches(samples, self.options.max_tokens_per_microbatch, num_microbatches)
+        # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks.
+        return build_microbatches(
+            samples, self.options.max_tokens_per_microbatch, num_microbatches, pad_multiple=self.parallel_dims.tp
+        )
 
     def _token_losses(self, mb: MicroBatch) -> torch.Tensor:
+        """Per-token cross-entropy ``[T]`` of a device-resident micro-batch."""
         with self._autocast():
             hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
-            return token_cross_entropy(hidden, self.model.output, mb.labels, self.options.logits_chunk_size)
+            logprobs, _ = token_logprobs(
+                hidden,
+                self.model.output.weight,
+                mb.labels,
+                self.options.logits_chunk_size,
+                tp_mesh=self.parallel_dims.mesh("tp"),
+                loss_parallel=self.options.loss_parallel,
+            )
+        return -logprobs
 
     def forward_backward(self, samples: list[Sample], loss_fn: str = "cross_entropy") -> ForwardBackwardMetrics:
         if loss_fn not in LOSS_FNS:
@@ -105,8 +118,8 @@ class Engine:
             if mb.is_padding:
                 self._token_losses(mb.to(self.device))
                 continue
-            token_logprobs = -self._token_losses(mb.to(self.device))
-            logprobs.extend(token_logprobs.split(mb.seq_lens))
+            per_token = -self._token_losses(mb.to(self.device))
+            logprobs.extend(per_token[: mb.num_tokens - mb.num_padding_tokens].split(mb.seq_lens))
         if isinstance(self.model, FSDPModule):
             # The root keeps its parameters gathered after forward for the backward that
             # usually follows; with no backward, release them so an optimizer step cannot

@@ -107,6 +107,7 @@ def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: tor
         max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         logits_chunk_size=job_config.loss.logits_chunk_size,
         max_norm=t.max_norm,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
     )
     return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
 

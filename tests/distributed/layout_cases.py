@@ -15,11 +15,18 @@ HORIZON = 32
 BUDGETS = (0, 24, 40)
 LR = 1e-2
 MAX_NORM = 0.05  # small enough that clipping really happens in the optimizer-step case
+# Adam's first step moves each weight by lr * g / (|g| + eps): with a tiny eps, gradients
+# of ~1e-9 (float rounding of the layout shows there) would decide whole steps.
+ADAM_EPS = 1e-4
+
+
+VOCAB = 64
 
 
 def model_args(tie_embeddings: bool = False) -> Qwen3ModelArgs:
+    # Heads, KV heads (GQA 2:1), hidden units and vocabulary all divide by tp = 4.
     return Qwen3ModelArgs(
-        vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
+        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=48,
         tie_embeddings=tie_embeddings, max_seq_len=64, attn_backend="sdpa_dense",
     )
 
@@ -35,8 +42,8 @@ def global_batch(variant: str) -> list[Sample]:
     gen = torch.Generator().manual_seed({"uneven": 0, "other": 1, "no_loss": 2}[variant])
     samples = []
     for i, n in enumerate(_LENGTHS):
-        ids = torch.randint(0, 61, (n,), generator=gen)
-        labels = torch.randint(0, 61, (n,), generator=gen)
+        ids = torch.randint(0, VOCAB, (n,), generator=gen)
+        labels = torch.randint(0, VOCAB, (n,), generator=gen)
         prompt = int(torch.randint(0, n, (1,), generator=gen)) if n > 1 else 0
         mask = torch.arange(n) >= prompt  # loss on a suffix, like a chat completion
         if variant == "no_loss" or (variant == "uneven" and i in _NO_LOSS):
@@ -45,8 +52,25 @@ def global_batch(variant: str) -> list[Sample]:
     return samples
 
 
-def layouts(world_size: int) -> list[tuple[int, int]]:
-    """(dp_replicate, dp_shard) layouts to check on this many ranks."""
-    if world_size == 4:
-        return [(1, 4), (2, 2), (4, 1)]
-    return [(1, world_size)]
+def layouts(world_size: int) -> list[tuple[int, int, int]]:
+    """(dp_replicate, dp_shard, tp) layouts to check on this many ranks."""
+    return {
+        1: [(1, 1, 1)],
+        2: [(1, 2, 1), (1, 1, 2)],
+        4: [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (1, 1, 4)],
+        8: [(2, 2, 2)],
+    }[world_size]
+
+
+# Vocab-parallel log-prob check: tokens (divisible by every tp), model dim, chunk sizes
+# (5 and 7 do not divide the token count).
+LOGPROB_TOKENS, LOGPROB_DIM, LOGPROB_CHUNKS = 12, 16, (5, 7, 12)
+
+
+def logprob_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden [T, D], output weight [V, D], labels [T]) shared by every rank and the reference."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(LOGPROB_TOKENS, LOGPROB_DIM, generator=gen)
+    weight = torch.randn(VOCAB, LOGPROB_DIM, generator=gen)
+    labels = torch.randint(0, VOCAB, (LOGPROB_TOKENS,), generator=gen)
+    return hidden, weight, labels

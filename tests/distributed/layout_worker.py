@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
+from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
@@ -34,9 +36,9 @@ def share(samples, dims: ParallelDims):
 def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
     device = torch.device("cpu")
     model = build_model(lc.model_args(tie), dims, device, lc.SEED, torch.float32)
-    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}" + ("_tied" if tie else "")
+    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_tp{dims.tp}" + ("_tied" if tie else "")
     results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
-    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, 1e-8, 0.1)
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
     metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
@@ -67,14 +69,34 @@ CASES = [(mode, budget, ("uneven",), False) for mode in REDUCTION_MODES for budg
 TIED_CASES = [("token_mean", 24, ("uneven",), False)]
 
 
+def run_logprobs(tp_mesh, results: dict) -> None:
+    """Vocab-parallel log-probs and entropies of lc.logprob_inputs(), with their gradients."""
+    hidden_full, weight_full, labels = lc.logprob_inputs()
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    for loss_parallel in (True, False):
+        for chunk in lc.LOGPROB_CHUNKS:
+            hidden = hidden_full.chunk(tp)[rank].clone().requires_grad_()  # sequence-parallel shard
+            weight = weight_full.chunk(tp)[rank].clone().requires_grad_()  # vocabulary shard
+            logprobs, entropy = token_logprobs(hidden, weight, labels, chunk, tp_mesh, loss_parallel, with_entropy=True)
+            # Any scalar of both outputs; the reference differentiates the same one.
+            (logprobs * torch.arange(1.0, lc.LOGPROB_TOKENS + 1)).sum().add(entropy.sum()).backward()
+            results[f"tp{tp}/logprobs/parallel{int(loss_parallel)}/chunk{chunk}"] = {
+                "logprobs": logprobs.detach(), "entropy": entropy.detach(),
+                "grad_hidden": all_gather_autograd(hidden.grad, tp_mesh).clone(),  # clone waits
+                "grad_weight": all_gather_autograd(weight.grad, tp_mesh).clone(),
+            }
+
+
 def run_all_layouts(world_size: int) -> dict:
     results: dict = {}
-    for dp_replicate, dp_shard in lc.layouts(world_size):
-        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=1, world_size=world_size)
+    for dp_replicate, dp_shard, tp in lc.layouts(world_size):
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, world_size=world_size)
         dims.build_meshes("cpu")
         run_layout(dims, False, results, CASES)
         if dp_replicate == 1:
             run_layout(dims, True, results, TIED_CASES)
+        if 1 < tp == world_size:
+            run_logprobs(dims.mesh("tp"), results)
     return results
 
 

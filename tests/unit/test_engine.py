@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch import nn
 
@@ -18,7 +19,7 @@ from torchtitan_rl.data.packing import plan_microbatches
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
-from torchtitan_rl.losses.cross_entropy import token_cross_entropy
+from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer, lr_factor
@@ -124,31 +125,47 @@ def assert_grads_close(got, expected):
 # ---------------------------------------------------------------- chunked cross-entropy
 
 
+class LargestTensorMode(TorchDispatchMode):
+    """Records the element count of the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
 @pytest.mark.parametrize("chunk", [1, 4, 5, 12, 50])
-def test_token_cross_entropy_matches_full_logits(chunk):
+def test_chunked_logprobs_and_entropy_match_full_logits(chunk):
     torch.manual_seed(0)
     num_tokens, dim, vocab = 12, 16, 40
-    output = nn.Linear(dim, vocab, bias=False)
-    ref_output = copy.deepcopy(output)
+    weight = torch.randn(vocab, dim, requires_grad=True)
+    ref_weight = weight.detach().clone().requires_grad_()
     hidden = torch.randn(num_tokens, dim, requires_grad=True)
     ref_hidden = hidden.detach().clone().requires_grad_()
     labels = torch.randint(0, vocab, (num_tokens,))
     weights = torch.rand(num_tokens)
 
-    rows_seen = []
-    output.register_forward_hook(lambda mod, inp, out: rows_seen.append(inp[0].shape[0]))
-    got = token_cross_entropy(hidden, output, labels, chunk)
-    # Logits are computed chunk by chunk, never all T rows at once (unless T <= chunk).
-    expected_rows = [min(chunk, num_tokens - s) for s in range(0, num_tokens, chunk)]
-    assert rows_seen == expected_rows
-    (got * weights).sum().backward()
+    with LargestTensorMode() as mode:
+        logprobs, entropy = token_logprobs(hidden, weight, labels, chunk, with_entropy=True)
+        (-(logprobs * weights).sum() + entropy.sum()).backward()
+    # Logits exist only chunk by chunk, in forward and in backward.
+    assert mode.largest <= max(min(chunk, num_tokens) * vocab, vocab * dim)
 
-    ref = F.cross_entropy(ref_output(ref_hidden), labels, reduction="none")
-    (ref * weights).sum().backward()
-    assert got.shape == (num_tokens,)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(output.weight.grad, ref_output.weight.grad, rtol=1e-5, atol=1e-7)
+    ref_log_softmax = (ref_hidden @ ref_weight.t()).log_softmax(-1)
+    ref_logprobs = ref_log_softmax.gather(1, labels[:, None])[:, 0]
+    ref_entropy = -(ref_log_softmax.exp() * ref_log_softmax).sum(-1)
+    (-(ref_logprobs * weights).sum() + ref_entropy.sum()).backward()
+    assert logprobs.shape == entropy.shape == (num_tokens,)
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight.grad, ref_weight.grad, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- forward

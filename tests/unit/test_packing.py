@@ -154,7 +154,8 @@ def test_padding_microbatch_has_no_loss_tokens():
     mb = padding_microbatch()
     assert mb.is_padding
     assert mb.loss_mask.sum().item() == 0
-    assert mb.num_tokens == 1 and mb.num_seqs == 1 and mb.seq_lens == [1]
+    assert mb.num_tokens == 1 and mb.num_seqs == 1 and mb.seq_lens == []
+    assert mb.num_padding_tokens == 1
     for t in (mb.input_ids, mb.labels, mb.loss_mask, mb.positions, mb.seq_ids, mb.seq_num_loss_tokens):
         assert t.shape == (1,)
     assert mb.positions.tolist() == [0] and mb.seq_ids.tolist() == [0]
@@ -192,3 +193,24 @@ def test_build_microbatches_empty_rank_is_all_padding():
     mbs = build_microbatches([], 16, 3)
     assert len(mbs) == 3
     assert all(mb.is_padding and not mb.loss_mask.any() for mb in mbs)
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 2, 4, 5])
+def test_pack_pads_to_multiple_with_an_isolated_zero_weight_sequence(pad_multiple):
+    raw = [([1, 2, 3, 4], [False, True, True, True]), ([5, 6, 7], [False, False, True])]
+    samples = [Sample.from_tokens(t, m) for t, m in raw]
+    mb = pack(samples, pad_multiple)
+    real = sum(len(t) - 1 for t, _ in raw)  # 5 tokens after shifting
+    expected_padding = (pad_multiple - real % pad_multiple) % pad_multiple
+    assert mb.num_tokens == real + expected_padding and mb.num_tokens % pad_multiple == 0
+    assert mb.num_padding_tokens == expected_padding
+    assert mb.seq_lens == [3, 2]
+    pad = slice(real, None)
+    assert not mb.loss_mask[pad].any()
+    assert mb.seq_ids[pad].tolist() == [2] * expected_padding  # its own sequence: attends nothing real
+    assert mb.positions[pad].tolist() == list(range(expected_padding))
+    assert mb.num_seqs == 2 + (1 if expected_padding else 0)
+    for t in (mb.input_ids, mb.labels, mb.positions, mb.seq_ids, mb.seq_num_loss_tokens):
+        assert t.shape == (mb.num_tokens,)
+    padded_filler = padding_microbatch(pad_multiple)
+    assert padded_filler.num_tokens == pad_multiple and not padded_filler.loss_mask.any()

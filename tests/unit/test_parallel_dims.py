@@ -64,12 +64,17 @@ def test_dp_shard_zero_or_below_minus_one(value):
     assert str(value) in message
 
 
-@pytest.mark.parametrize("dim", ["tp", "cp"])
-def test_tp_and_cp_not_yet_supported(dim):
-    degrees = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, dim: 2}
-    message = error_of(**degrees, world_size=4)
-    assert KEYS[dim] in message
+def test_cp_not_yet_supported():
+    message = error_of(1, -1, 2, 1, world_size=4)
+    assert KEYS["cp"] in message
     assert "not yet supported" in message
+
+
+@pytest.mark.parametrize("dp_replicate, dp_shard, tp, world_size", [(1, 2, 2, 4), (1, -1, 4, 4), (2, 2, 2, 8), (1, 1, 2, 2)])
+def test_tensor_parallel_layouts(dp_replicate, dp_shard, tp, world_size):
+    dims = ParallelDims(dp_replicate, dp_shard, 1, tp, world_size=world_size)
+    assert dims.tp == tp
+    assert dims.batch_degree == world_size // tp  # TP ranks share their samples
 
 
 @pytest.mark.parametrize("dp_replicate, world_size", [(3, 4), (2, 5), (4, 6)])
@@ -149,7 +154,7 @@ def test_build_parallel_dims_ok(argv, world_size, batch_degree):
 
 
 def test_build_parallel_dims_passes_on_layout_errors():
-    cfg = config("--parallelism.tensor_parallel_degree", "2")
+    cfg = config("--parallelism.tensor_parallel_degree", "3")
     with pytest.raises(ValueError) as info:
         build_parallel_dims(cfg, 2)
     assert KEYS["tp"] in str(info.value)

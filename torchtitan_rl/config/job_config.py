@@ -142,7 +142,12 @@ class Parallelism:
     """FSDP shard degree. -1 takes the ranks left over by the other degrees; otherwise >= 1."""
 
     tensor_parallel_degree: int = bounded(1, ge=1)
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree (Megatron-style with sequence parallel; heads, KV heads, the MLP
+    hidden size and the vocabulary must be divisible by it)."""
+
+    disable_loss_parallel: bool = False
+    """Under tensor parallel, gather each chunk's logits over the vocabulary before the loss
+    instead of computing it vocab-parallel. Same numbers, more memory; a debugging aid."""
 
     context_parallel_degree: int = bounded(1, ge=1)
     """Context-parallel degree (each sequence split over this many ranks)."""

@@ -23,10 +23,13 @@ class MicroBatch:
     positions: torch.Tensor
     seq_ids: torch.Tensor
     seq_num_loss_tokens: torch.Tensor
-    seq_lens: list[int]
+    seq_lens: list[int]  # the real sequences, in order; padding tokens come after them
     # True for the zero-weight filler every rank runs so all ranks do the same number
     # of forward/backward passes (FSDP collectives would otherwise deadlock).
     is_padding: bool = False
+    # Zero-weight tokens appended so the token count divides what sequence parallel needs;
+    # they form one extra pseudo-sequence of their own, invisible to real tokens.
+    num_padding_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -34,7 +37,8 @@ class MicroBatch:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens)
+        """Distinct ``seq_ids`` in the buffer, the padding pseudo-sequence included."""
+        return len(self.seq_lens) + (1 if self.num_padding_tokens else 0)
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
@@ -47,6 +51,7 @@ class MicroBatch:
             seq_num_loss_tokens=move(self.seq_num_loss_tokens),
             seq_lens=self.seq_lens,
             is_padding=self.is_padding,
+            num_padding_tokens=self.num_padding_tokens,
         )
 
 
@@ -77,41 +82,52 @@ def plan_microbatches(seq_lens: list[int], max_tokens: int) -> list[list[int]]:
     return plan
 
 
-def pack(samples: list[Sample]) -> MicroBatch:
-    """Concatenate samples into one micro-batch; labels stay those built per sequence."""
+def pack(samples: list[Sample], pad_multiple: int = 1) -> MicroBatch:
+    """Concatenate samples into one micro-batch; labels stay those built per sequence.
+
+    The token count is padded up to a multiple of ``pad_multiple`` (sequence parallel
+    shards the token dim evenly) with zero-weight tokens forming their own sequence.
+    """
     assert samples, "pack() needs at least one sample; use padding_microbatch() for none"
     seq_lens = [len(s) for s in samples]
+    num_padding = -sum(seq_lens) % pad_multiple
+    lens = seq_lens + ([num_padding] if num_padding else [])
+    pad = torch.zeros(num_padding, dtype=torch.long)
     return MicroBatch(
-        input_ids=torch.cat([s.input_ids for s in samples]),
-        labels=torch.cat([s.labels for s in samples]),
-        loss_mask=torch.cat([s.loss_mask for s in samples]),
-        positions=torch.cat([torch.arange(n) for n in seq_lens]),
-        seq_ids=torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(seq_lens)),
+        input_ids=torch.cat([s.input_ids for s in samples] + [pad]),
+        labels=torch.cat([s.labels for s in samples] + [pad]),
+        loss_mask=torch.cat([s.loss_mask for s in samples] + [pad.bool()]),
+        positions=torch.cat([torch.arange(n) for n in lens]),
+        seq_ids=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)),
         seq_num_loss_tokens=torch.cat(
-            [torch.full((len(s),), s.num_loss_tokens, dtype=torch.long) for s in samples]
+            [torch.full((len(s),), s.num_loss_tokens, dtype=torch.long) for s in samples] + [pad]
         ),
         seq_lens=seq_lens,
+        num_padding_tokens=num_padding,
     )
 
 
-def padding_microbatch() -> MicroBatch:
-    """A one-token micro-batch with no loss token: runs the model, contributes nothing."""
-    one = torch.zeros(1, dtype=torch.long)
+def padding_microbatch(num_tokens: int = 1) -> MicroBatch:
+    """A micro-batch with no loss token: runs the model, contributes nothing."""
+    zeros = torch.zeros(num_tokens, dtype=torch.long)
     return MicroBatch(
-        input_ids=one,
-        labels=one.clone(),
-        loss_mask=torch.zeros(1, dtype=torch.bool),
-        positions=one.clone(),
-        seq_ids=one.clone(),
-        seq_num_loss_tokens=one.clone(),
-        seq_lens=[1],
+        input_ids=zeros,
+        labels=zeros.clone(),
+        loss_mask=torch.zeros(num_tokens, dtype=torch.bool),
+        positions=torch.arange(num_tokens),
+        seq_ids=zeros.clone(),
+        seq_num_loss_tokens=zeros.clone(),
+        seq_lens=[],
         is_padding=True,
+        num_padding_tokens=num_tokens,
     )
 
 
-def build_microbatches(samples: list[Sample], max_tokens: int, num_microbatches: int) -> list[MicroBatch]:
+def build_microbatches(
+    samples: list[Sample], max_tokens: int, num_microbatches: int, pad_multiple: int = 1
+) -> list[MicroBatch]:
     """Pack ``samples`` by the plan, then pad with filler up to ``num_microbatches``."""
     plan = plan_microbatches([len(s) for s in samples], max_tokens)
     assert len(plan) <= num_microbatches
-    packed = [pack([samples[i] for i in group]) for group in plan]
-    return packed + [padding_microbatch() for _ in range(num_microbatches - len(plan))]
+    packed = [pack([samples[i] for i in group], pad_multiple) for group in plan]
+    return packed + [padding_microbatch(pad_multiple) for _ in range(num_microbatches - len(plan))]

@@ -29,7 +29,7 @@ def local_counts(microbatches: list[MicroBatch]) -> torch.Tensor:
         counts[NUM_LOSS_TOKENS] += num_loss
         counts[NUM_SEQS_WITH_LOSS] += int((per_seq > 0).sum())
         counts[NUM_MICROBATCHES_WITH_LOSS] += int(num_loss > 0)
-        counts[NUM_TOKENS] += mb.num_tokens
+        counts[NUM_TOKENS] += mb.num_tokens - mb.num_padding_tokens
         counts[SUM_SQUARED_SEQ_LENS] += sum(n * n for n in mb.seq_lens)
     return counts
 

@@ -2,14 +2,96 @@
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from torchtitan_rl.distributed.fsdp import apply_fsdp
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """FSDP2 per transformer block and at the root, when there is more than one DP rank."""
+    """Tensor parallel first (it changes parameters into TP DTensors), then FSDP2 on top."""
+    tp_mesh = parallel_dims.mesh("tp")
+    if tp_mesh is not None:
+        check_tp_divisibility(model.args, tp_mesh.size())
+        apply_tp(model, tp_mesh)
     mesh = parallel_dims.fsdp_mesh()
-    if mesh is None:
-        return
-    apply_fsdp(model, list(model.layers.values()), mesh, param_dtype, reduce_dtype)
+    if mesh is not None:
+        apply_fsdp(model, list(model.layers.values()), mesh, param_dtype, reduce_dtype)
+
+
+def check_tp_divisibility(args: Qwen3ModelArgs, tp: int) -> None:
+    """Every sharded dimension must split evenly over the TP ranks."""
+    for what, size in (
+        ("n_heads", args.n_heads),
+        ("n_kv_heads", args.n_kv_heads),
+        ("hidden_dim", args.hidden_dim),
+        ("vocab_size", args.vocab_size),
+    ):
+        if size % tp != 0:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide the model's {what} ({size})"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP with sequence parallel over the token dim (dim 0 of packed ``[T, D]``).
+
+    Between blocks the residual stream is a plain local tensor holding this rank's ``T / tp``
+    tokens; attention and MLP gather the tokens, work on this rank's heads / hidden units,
+    and reduce-scatter back to token shards. Norm weights (QK-norm included) stay
+    replicated DTensors, so their gradients from different token (or head) shards are summed.
+    The output head is only sharded over the vocabulary here: the loss reads its local
+    shard directly (``losses.logprobs``) and never materializes full logits.
+    """
+    token_shards = Shard(0)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=token_shards),
+            "norm": SequenceParallel(sequence_dim=0, use_local_output=True),
+            "output": ColwiseParallel(),
+        },
+    )
+    if model.args.tie_embeddings:
+        # Both layers shard the [vocab, dim] weight over the vocabulary (Shard(0)), so the
+        # tied weight can stay one parameter: parallelize_module replaced each separately.
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(sequence_dim=0, use_local_output=True),
+                "attention": PrepareModuleInput(
+                    input_layouts=(token_shards, None, None),
+                    desired_input_layouts=(Replicate(), None, None),
+                    use_local_output=True,
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                # [T, local heads, head_dim]: the heads dim is what TP shards here.
+                "attention.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+                "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
+                "attention.wo": RowwiseParallel(output_layouts=token_shards),
+                "ffn_norm": SequenceParallel(sequence_dim=0, use_local_output=True),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(token_shards,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=token_shards),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
