@@ -111,7 +111,28 @@ def legacy_run(tmp_path_factory) -> Path:
     return dump
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel_run(tmp_path_factory) -> Path:
+    """token_mean on 4 ranks: dp=2 x tp=2 (sequence parallel, vocab-parallel loss)."""
+    dump = tmp_path_factory.mktemp("tp") / "dp2_tp2"
+    train(4, dump, f"{COMMON} --loss.reduction token_mean --parallelism.tensor_parallel_degree 2")
+    return dump
+
+
 # ---------------------------------------------------------------- the promise holds
+
+
+def test_tensor_parallel_curve_equals_data_parallel(runs, tensor_parallel_run):
+    base = runs["token_mean"].folders["dp2"]
+    proc = tool("--baseline-folder", str(base), "--test-folder", str(tensor_parallel_run), "--rtol", str(RTOL))
+    assert proc.returncode == 0, _output(proc)
+    assert "tensor_parallel_degree = 2" in (tensor_parallel_run / "config.toml").read_text()
+    tp = read_scalars(str(tensor_parallel_run / "tb"))
+    dp = runs["token_mean"].scalars["dp2"]
+    assert max_rel_diff(dp[LOSS], tp[LOSS]) <= RTOL
+    assert max_rel_diff(dp[GRAD_NORM], tp[GRAD_NORM]) <= RTOL
+    assert tp["tokens/loss_tokens"] == dp["tokens/loss_tokens"]
+    assert tp["tokens/total"] == dp["tokens/total"]  # sequence-parallel padding is not counted
 
 
 @pytest.mark.parametrize("mode", MODES)

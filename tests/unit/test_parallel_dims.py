@@ -162,3 +162,15 @@ def test_build_parallel_dims_passes_on_layout_errors():
     with pytest.raises(ValueError) as info:
         build_parallel_dims(cfg, 4)
     assert KEYS["dp_shard"] in str(info.value)  # cannot infer dp_shard from 4 / 3
+
+
+@pytest.mark.parametrize("tp, culprit", [(4, "n_kv_heads (2)"), (3, "n_heads (4)"), (8, "n_heads (4)")])
+def test_tensor_parallel_degree_must_divide_sharded_model_dims(tp, culprit):
+    from torchtitan_rl.models.qwen3.args import qwen3_flavors
+    from torchtitan_rl.models.qwen3.parallelize import check_tp_divisibility
+
+    with pytest.raises(ValueError) as info:
+        check_tp_divisibility(qwen3_flavors["debugmodel"], tp)
+    assert KEYS["tp"] in str(info.value) and culprit in str(info.value)
+    check_tp_divisibility(qwen3_flavors["debugmodel"], 2)  # heads 4, kv 2, hidden 384, vocab 512
+    check_tp_divisibility(qwen3_flavors["8B"], 8)

@@ -1,0 +1,149 @@
+"""Peak memory and time of the loss path: output head + log-probs + backward.
+
+    .venv/bin/python scripts/benchmark_loss_path.py            # measure, append to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_loss_path.py --no-write
+
+Each configuration runs in fresh processes (``torchrun``, gloo on CPU, NCCL on CUDA) so
+peaks do not leak between them. The loss path starts from this rank's final hidden states
+(its sequence-parallel shard under tensor parallel) and the output weight (its vocabulary
+shard) and ends after backward. Peak memory is the rank's peak RSS growth during the loss
+path on CPU, and the allocator's peak above the inputs on CUDA. "unchunked" is the same code
+with one chunk holding every token.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 151936  # Qwen3
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def worker(tokens: int, dim: int, vocab: int, chunk: int) -> None:
+    import torch.distributed as dist
+
+    from torchtitan_rl.distributed.parallel_dims import ParallelDims
+    from torchtitan_rl.distributed.utils import init_distributed
+    from torchtitan_rl.losses.logprobs import token_logprobs
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
+    rank, world_size, device = init_distributed(600)
+    dims = ParallelDims(1, 1, 1, world_size, world_size)
+    dims.build_meshes(device.type)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device=device).manual_seed(rank)
+    hidden = torch.randn(tokens // world_size, dim, generator=gen, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab // world_size, dim, generator=gen, device=device, dtype=dtype) * dim**-0.5
+    weight.requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+
+    def step():
+        logprobs, _ = token_logprobs(hidden, weight, labels, chunk, dims.mesh("tp"))
+        (-logprobs.sum()).backward()
+
+    # On CPU the process's peak RSS only grows, so its growth over the RSS with the inputs
+    # in place covers the warm-up and the timed step alike.
+    cpu_base = _current_rss_bytes()
+    step()  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+        cuda_base = torch.cuda.memory_allocated(device)
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - cuda_base
+    else:
+        peak = _peak_rss_bytes() - cpu_base
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if rank == 0:
+        print("RESULT " + json.dumps({"peak_gib": peak / 2**30, "seconds": seconds}), flush=True)
+
+
+def run_config(tokens: int, dim: int, vocab: int, chunk: int, tp: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
+           os.path.abspath(__file__), "--worker", f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}",
+           f"--chunk={chunk}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-300:].strip().splitlines()[-1]}
+    return json.loads(lines[0][len("RESULT "):])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--dim", type=int, default=256, help="model dim (Qwen3-0.6B: 1024; smaller keeps CPU runs short)")
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--no-write", action="store_true", help="print only; do not append to docs/benchmarks.md")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.tokens, args.dim, args.vocab, args.chunk)
+        return
+
+    on_cuda = torch.cuda.is_available()
+    # The unchunked path holds about three [T, V] float32 buffers at its peak; on a small
+    # CPU machine the comparison is also shown at half the tokens, and skipped where it
+    # would not fit.
+    token_counts = [args.tokens] if on_cuda else [args.tokens // 2, args.tokens]
+    rows = []
+    for tokens in token_counts:
+        for tp in (1, 2):
+            chunked = run_config(tokens, args.dim, args.vocab, args.chunk, tp)
+            unchunked = (run_config(tokens, args.dim, args.vocab, tokens, tp)
+                         if on_cuda or tokens * args.vocab * 4 * 3.2 < 18 * 2**30
+                         else {"error": "not run: would not fit in this machine's memory"})
+            rows.append((tokens, tp, chunked, unchunked))
+
+    def fmt(r):
+        return r["error"] if "error" in r else f"{r['peak_gib']:.2f} GiB, {r['seconds']:.2f} s"
+
+    device = torch.cuda.get_device_name() if on_cuda else f"CPU ({os.cpu_count()} cores, gloo)"
+    lines = [
+        f"## Loss path memory, {datetime.date.today().isoformat()} ({device}, torch {torch.__version__}, {platform.machine()})",
+        "",
+        f"Command: `.venv/bin/python scripts/benchmark_loss_path.py` — output head + log-probs + backward, "
+        f"vocab {args.vocab}, dim {args.dim}, chunk {args.chunk} tokens; per-rank peak memory of the loss path "
+        f"({'allocator peak' if on_cuda else 'peak RSS growth'}) and time of one forward+backward.",
+        "",
+        "| tokens | tp | chunked | unchunked | chunked / unchunked memory |",
+        "|---|---|---|---|---|",
+    ]
+    for tokens, tp, chunked, unchunked in rows:
+        ratio = ("—" if "error" in chunked or "error" in unchunked
+                 else f"{chunked['peak_gib'] / unchunked['peak_gib']:.3f}")
+        lines.append(f"| {tokens} | {tp} | {fmt(chunked)} | {fmt(unchunked)} | {ratio} |")
+    lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
