@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import layout_cases as lc
 import layout_worker
+from reference import launch_env, minibatch_loss
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -23,7 +24,7 @@ RTOL = 1e-5
 
 
 def launch(world_size: int, out_path: str) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = launch_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            os.path.join(HERE, "layout_worker.py"), out_path]
     proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
@@ -74,17 +75,8 @@ def greedy_plan(lengths: list[int], budget: int) -> list[list[int]]:
 def reduced_loss(seqs, mode: str, budget: int, dp: int) -> torch.Tensor:
     n = [m.sum() for _, m in seqs]
     sums = [(l * m).sum() for l, m in seqs]
-    total_tokens = sum(n)
-    num_seqs = sum(1 for k in n if k > 0)
-    if mode == "sum":
-        return sum(sums)
-    if mode == "token_mean":
-        return sum(sums) / total_tokens if total_tokens > 0 else sum(sums) * 0
-    if mode == "sequence_mean":
-        return sum(s / k for s, k in zip(sums, n) if k > 0) / num_seqs
-    if mode == "seq_mean_token_sum_norm":
-        return sum(sums) / (lc.HORIZON * num_seqs)
-    assert mode == "token_mean_legacy"
+    if mode != "token_mean_legacy":
+        return minibatch_loss(sums, n, mode, lc.HORIZON)
     per_rank = lc.GLOBAL_BATCH_SIZE // dp
     means = []
     for r in range(dp):

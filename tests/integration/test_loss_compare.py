@@ -12,7 +12,6 @@ exit 2 on a missing or empty folder and on a training run that fails.
 
 import dataclasses
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
+from reference import launch_env
 from torchtitan_rl.tensorboard_io import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,17 +38,9 @@ COMMON = (f"--training.global_batch_size {GLOBAL_BATCH} --training.seq_len {SEQ_
 GA = f"--training.max_tokens_per_microbatch {BUDGET}"
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python scripts/loss_compare.py ARGS`` from the repository root, as a user runs it."""
-    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -57,7 +49,7 @@ def train(nproc: int, dump: Path, options: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN,
            "--job.config_file", RECIPE, *options.split(), "--training.steps", str(STEPS),
            "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true", "--job.dump_folder", str(dump)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 

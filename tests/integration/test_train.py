@@ -9,7 +9,6 @@ time.
 
 import concurrent.futures
 import dataclasses
-import os
 import re
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from reference import launch_env
 from torchtitan_rl.config import ConfigManager, config_to_dict
 from torchtitan_rl.tensorboard_io import read_scalars
 
@@ -37,20 +37,11 @@ OVERRIDES = [
 ]
 
 
-def _env() -> dict:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # A launch must never pick up the torchrun variables of an enclosing job.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def train(args: list[str], nproc: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` (one process, no process group) or torchrun with ``nproc`` ranks."""
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, TRAIN, *args], cwd=REPO, env=_env(), capture_output=True, text=True,
+    return subprocess.run([*launcher, TRAIN, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -69,7 +60,7 @@ def train_ranks(args: list[str], world_size: int, timeout: float = 300) -> list[
     port = _free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        env = dict(launch_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                    LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))

@@ -5,7 +5,6 @@ a per-sequence (unpacked) forward of the same model with the mode's loss written
 formulas for the clipping coefficient and the schedule.
 """
 
-import copy
 import math
 import random
 
@@ -19,6 +18,7 @@ from torchtitan_rl.data.packing import plan_microbatches
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
+from reference import minibatch_loss
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -93,17 +93,7 @@ def reference_loss(model, raw, mode):
     losses = per_sequence_token_losses(model, raw)
     masks = [torch.tensor(mask[1:], dtype=torch.float32) for _, mask in raw]
     seq_sums = [(l * m).sum() for l, m in zip(losses, masks)]
-    n = [int(m.sum()) for m in masks]
-    big_n, big_b = sum(n), sum(1 for x in n if x > 0)
-    if mode == "sum":
-        return sum(seq_sums)
-    if mode == "token_mean":
-        return sum(seq_sums) / big_n
-    if mode == "sequence_mean":
-        return sum(s / k for s, k in zip(seq_sums, n) if k > 0) / big_b
-    if mode == "seq_mean_token_sum_norm":
-        return sum(seq_sums) / (HORIZON * big_b)
-    raise AssertionError(mode)
+    return minibatch_loss(seq_sums, [int(m.sum()) for m in masks], mode, HORIZON)
 
 
 def reference_grads(model, raw, mode):

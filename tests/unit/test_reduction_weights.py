@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+import reference
 from torchtitan_rl.data.packing import pack, padding_microbatch
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.losses.reduction import (
@@ -220,16 +221,7 @@ def minibatch_loss(raw, token_losses, mode, horizon):
         flags = loss_flags(raw, i)
         seq_sums.append(sum(l for l, m in zip(token_losses[i], flags) if m))
         n.append(sum(flags))
-    big_n, big_b = sum(n), sum(1 for x in n if x > 0)
-    if mode == "sum":
-        return sum(seq_sums)
-    if mode == "token_mean":
-        return sum(seq_sums) / big_n
-    if mode == "sequence_mean":
-        return sum(s / k for s, k in zip(seq_sums, n) if k > 0) / big_b
-    if mode == "seq_mean_token_sum_norm":
-        return sum(seq_sums) / (horizon * big_b)
-    raise AssertionError(mode)
+    return reference.minibatch_loss(seq_sums, n, mode, horizon)
 
 
 def legacy_loss(raw, token_losses, layout):
