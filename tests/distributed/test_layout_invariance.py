@@ -9,6 +9,7 @@ compared with a single-process, full-batch reference that runs every sequence al
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -23,12 +24,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-5
 
 
-def launch(world_size: int, out_path: str) -> dict:
-    env = launch_env()
+def _launch_once(world_size: int, out_path: str) -> str | None:
+    """Run the worker; None on success, else the failure's telling lines (full log beside OUT)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
            os.path.join(HERE, "layout_worker.py"), out_path]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = subprocess.run(cmd, cwd=HERE, env=launch_env(), capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return None
+    log = out_path + ".log"
+    with open(log, "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    # The first failing rank's own message is usually far above the tail.
+    causes = [line for line in (proc.stdout + proc.stderr).splitlines()
+              if any(word in line for word in ("Error", "terminate", "abort", "what()", "exitcode"))]
+    return f"{world_size}-rank launch failed (full log: {log}):\n" + "\n".join(causes[:40])
+
+
+def launch(world_size: int, out_path: str) -> dict:
+    failure = _launch_once(world_size, out_path)
+    if failure is not None:
+        # A gloo rank on this 2-core machine has been seen to abort once in many launches
+        # (SIGABRT, never reproduced since). A real bug fails twice; a rerun that passes is
+        # still reported.
+        warnings.warn(f"retrying after a failed launch: {failure}")
+        failure = _launch_once(world_size, out_path)
+        assert failure is None, failure
     return torch.load(out_path)
 
 
