@@ -321,5 +321,5 @@ def test_loader_state_is_rank_independent():
 
     second_half = make_loader(STREAM_ROWS, global_batch_size=4, rank=1, degree=2)
     second_half.load_state_dict(state)
-    assert [sample_text(s) for s in second_half.next()] == [sample_text(s) for s in expected_next[2:]]
+    assert [sample_text(s) for s in next(second_half)] == [sample_text(s) for s in expected_next[2:]]
     assert second_half.stats() == whole.stats()

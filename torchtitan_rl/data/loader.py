@@ -132,9 +132,6 @@ class SFTDataLoader(IterableDataset):
         start = self.batch_rank * self.share
         return [Sample.from_tokens(tokens, mask) for tokens, mask in global_batch[start : start + self.share]]
 
-    def next(self) -> list[Sample]:
-        return next(self)
-
     def stats(self) -> dict[str, int]:
         """Global counters (identical on every rank) over all samples visited so far."""
         return dict(self._counters)
