@@ -16,14 +16,18 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
   fi
 fi
+# This machine's pip.conf names local mirrors that may not exist; pip warns about each one.
+pip_install() {
+  "$venv/bin/pip" install --quiet "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 stamp="$venv/.installed-$(cat "$root/pyproject.toml" | sha1sum | cut -c1-12)-${extras:-base}"
 if [ ! -f "$stamp" ]; then
   if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
     # Pinned on purpose: an unpinned torch pulls several GB of CUDA wheels on CPU machines.
-    "$venv/bin/pip" install --quiet "torch==2.13.0"
+    pip_install "torch==2.13.0"
   fi
   target="$root"
   [ -n "$extras" ] && target="$root[$extras]"
-  "$venv/bin/pip" install --quiet -e "$target"
+  pip_install -e "$target"
   touch "$stamp"
 fi
