@@ -69,12 +69,10 @@ class Engine:
 
     def _microbatches(self, samples: list[Sample]) -> list[MicroBatch]:
         """The rank's plan, padded so every rank runs the same number of passes."""
-        num_local = len(plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch))
-        num_microbatches = max(1, host_max(num_local, self.parallel_dims.mesh("batch")))
+        plan = plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch)
+        num_microbatches = max(1, host_max(len(plan), self.parallel_dims.mesh("batch")))
         # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks.
-        return build_microbatches(
-            samples, self.options.max_tokens_per_microbatch, num_microbatches, pad_multiple=self.parallel_dims.tp
-        )
+        return build_microbatches(samples, plan, num_microbatches, pad_multiple=self.parallel_dims.tp)
 
     def _token_losses(self, mb: MicroBatch) -> torch.Tensor:
         """Per-token cross-entropy ``[T]`` of a device-resident micro-batch."""

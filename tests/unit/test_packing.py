@@ -181,7 +181,7 @@ def test_build_microbatches_packs_by_plan_and_pads(budget, extra):
             used += len(s)
         groups.append(current)
     count = len(groups) + extra
-    mbs = build_microbatches(samples, budget, count)
+    mbs = build_microbatches(samples, plan_microbatches([len(s) for s in samples], budget), count)
     assert len(mbs) == count
     for group, mb in zip(groups, mbs):
         check_packed(mb, [raw[i] for i in group])
@@ -190,7 +190,7 @@ def test_build_microbatches_packs_by_plan_and_pads(budget, extra):
 
 
 def test_build_microbatches_empty_rank_is_all_padding():
-    mbs = build_microbatches([], 16, 3)
+    mbs = build_microbatches([], plan_microbatches([], 16), 3)
     assert len(mbs) == 3
     assert all(mb.is_padding and not mb.loss_mask.any() for mb in mbs)
 

@@ -124,10 +124,9 @@ def padding_microbatch(num_tokens: int = 1) -> MicroBatch:
 
 
 def build_microbatches(
-    samples: list[Sample], max_tokens: int, num_microbatches: int, pad_multiple: int = 1
+    samples: list[Sample], plan: list[list[int]], num_microbatches: int, pad_multiple: int = 1
 ) -> list[MicroBatch]:
-    """Pack ``samples`` by the plan, then pad with filler up to ``num_microbatches``."""
-    plan = plan_microbatches([len(s) for s in samples], max_tokens)
+    """Pack ``samples`` by ``plan`` (see plan_microbatches), then pad with filler up to ``num_microbatches``."""
     assert len(plan) <= num_microbatches
     packed = [pack([samples[i] for i in group], pad_multiple) for group in plan]
     return packed + [padding_microbatch(pad_multiple) for _ in range(num_microbatches - len(plan))]
