@@ -7,12 +7,17 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 
-if hasattr(funcol, "all_gather_single_autograd"):
-    _all_gather_dim0 = funcol.all_gather_single_autograd
-else:  # older releases only have the now-deprecated name
-    _all_gather_dim0 = funcol.all_gather_tensor_autograd
+# Newer releases renamed the dim-0 gathers and deprecated the old names.
+_all_gather_dim0_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_all_gather_dim0 = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 
 
 def all_gather_autograd(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dim 0; backward reduce-scatters (sums)."""
-    return _all_gather_dim0(tensor.contiguous(), 0, mesh)
+    return _all_gather_dim0_autograd(tensor.contiguous(), 0, mesh)
+
+
+def all_gather(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0, without autograd; waits for the result."""
+    out = _all_gather_dim0(tensor.contiguous(), 0, mesh)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out

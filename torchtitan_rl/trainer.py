@@ -26,6 +26,7 @@ from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
 from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.profiling import MemoryProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,9 @@ class SFTTrainer:
             num_params=sum(p.numel() for p in self.engine.model.parameters()),
             flops_per_token_context=6 * args.n_layers * args.n_heads * args.head_dim,
         )
+        self.memory_profiler = MemoryProfiler(
+            job_config.profiling, job_config.job.dump_folder, self.parallel_dims, self.rank, self.device
+        )
 
     def train(self) -> None:
         log_freq = self.job_config.metrics.log_freq
@@ -158,8 +162,9 @@ class SFTTrainer:
         logger.info("training %d steps on %d rank(s)", steps, self.parallel_dims.world_size)
         for step in range(1, steps + 1):
             samples = next(data_iter)
-            fb = self.engine.forward_backward(samples, "cross_entropy")
-            optim = self.engine.optim_step()
+            with self.memory_profiler.step(step):
+                fb = self.engine.forward_backward(samples, "cross_entropy")
+                optim = self.engine.optim_step()
             window_tokens = window_tokens + fb.counts[NUM_TOKENS]
             window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
             if step % log_freq == 0 or step == 1 or step == steps:

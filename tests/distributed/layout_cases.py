@@ -32,9 +32,12 @@ def model_args(tie_embeddings: bool = False) -> Qwen3ModelArgs:
 
 
 # Lengths are deliberately uneven; samples 2 and 3 have no loss token, so with dp=4 rank 1
-# holds no loss token at all; sample 4 is a single token.
+# holds no loss token at all; sample 4 is a single token. Sample 5 has loss tokens at
+# positions 6..8 only, which the zigzag split puts on a single CP rank for cp = 2 and 4
+# (also with tp = 2).
 _LENGTHS = (23, 5, 17, 9, 1, 12, 24, 3)
 _NO_LOSS = (2, 3)
+MIDDLE_LOSS, MIDDLE_LOSS_POSITIONS = 5, range(6, 9)
 
 
 def global_batch(variant: str) -> list[Sample]:
@@ -48,18 +51,36 @@ def global_batch(variant: str) -> list[Sample]:
         mask = torch.arange(n) >= prompt  # loss on a suffix, like a chat completion
         if variant == "no_loss" or (variant == "uneven" and i in _NO_LOSS):
             mask = torch.zeros(n, dtype=torch.bool)
+        if variant == "uneven" and i == MIDDLE_LOSS:
+            mask = torch.isin(torch.arange(n), torch.tensor(MIDDLE_LOSS_POSITIONS))
         samples.append(Sample(input_ids=ids, labels=labels, loss_mask=mask))
     return samples
 
 
-def layouts(world_size: int) -> list[tuple[int, int, int]]:
-    """(dp_replicate, dp_shard, tp) layouts to check on this many ranks."""
+def layouts(world_size: int) -> list[tuple[int, int, int, int]]:
+    """(dp_replicate, dp_shard, cp, tp) layouts to check on this many ranks."""
     return {
-        1: [(1, 1, 1)],
-        2: [(1, 2, 1), (1, 1, 2)],
-        4: [(1, 4, 1), (2, 2, 1), (4, 1, 1), (1, 2, 2), (1, 1, 4)],
-        8: [(2, 2, 2)],
+        1: [(1, 1, 1, 1)],
+        2: [(1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)],
+        4: [(1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (1, 1, 1, 4),
+            (1, 1, 4, 1), (1, 2, 2, 1), (1, 1, 2, 2), (2, 1, 2, 1)],
+        8: [(2, 2, 1, 2), (1, 2, 2, 2)],
     }[world_size]
+
+
+# CP attention check: documents of these lengths packed together, several heads (GQA 2:1).
+CP_ATTENTION_LENS, CP_ATTENTION_HEADS, CP_ATTENTION_KV_HEADS, CP_ATTENTION_HEAD_DIM = (7, 1, 12, 4), 4, 2, 8
+
+
+def cp_attention_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, output weights) over the packed documents, shared by every rank and the reference."""
+    gen = torch.Generator().manual_seed(5)
+    num_tokens = sum(CP_ATTENTION_LENS)
+    q = torch.randn(num_tokens, CP_ATTENTION_HEADS, CP_ATTENTION_HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, CP_ATTENTION_KV_HEADS, CP_ATTENTION_HEAD_DIM, generator=gen)
+    v = torch.randn(num_tokens, CP_ATTENTION_KV_HEADS, CP_ATTENTION_HEAD_DIM, generator=gen)
+    out_weights = torch.randn(num_tokens, CP_ATTENTION_HEADS, CP_ATTENTION_HEAD_DIM, generator=gen)
+    return q, k, v, out_weights
 
 
 # Vocab-parallel log-prob check: tokens (divisible by every tp), model dim, chunk sizes

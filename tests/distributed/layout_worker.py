@@ -13,12 +13,18 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.distributed.clip import clip_grad_norm_
+from torchtitan_rl.distributed.context_parallel import (
+    ZigzagLayout,
+    cp_attention_context_builder,
+    gather_from_cp_ranks,
+)
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.models.attention import packed_attention
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.trainer import build_model
 
@@ -36,12 +42,16 @@ def share(samples, dims: ParallelDims):
 def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
     device = torch.device("cpu")
     model = build_model(lc.model_args(tie), dims, device, lc.SEED, torch.float32)
-    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_tp{dims.tp}" + ("_tied" if tie else "")
+    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}" + ("_tied" if tie else "")
     results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
     metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
+    if not tie:
+        # Log-probs of this rank's share (rank 0's is saved), before any step moves the weights.
+        engine = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", lc.HORIZON, 24, 16, 0.0))
+        results[f"{prefix}/forward"] = engine.forward(share(lc.global_batch("uneven"), dims))
     for mode, budget, variants, step in cases:
         options = EngineOptions(mode, lc.HORIZON, budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
         engine = Engine(model, optimizer, scheduler, dims, device, options)
@@ -53,6 +63,7 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
         else:
             optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
             model.zero_grad(set_to_none=True)
+        # Window tokens of the loss-token count over 1 s: throughput must come out as that / world size.
         logged = metrics.log(1, fb, optim, fb.counts[NUM_LOSS_TOKENS], fb.counts[NUM_LOSS_TOKENS], 1.0, {})
         entry = {"grads": grads, "logged": logged}
         if step:
@@ -87,16 +98,35 @@ def run_logprobs(tp_mesh, results: dict) -> None:
             }
 
 
+def run_cp_attention(cp_mesh, results: dict) -> None:
+    """Packed attention with this rank's zigzag share of the queries and K/V gathered over cp."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    layout = ZigzagLayout.build(list(lc.CP_ATTENTION_LENS), cp)
+    build_context = cp_attention_context_builder(cp_mesh)
+    for backend in ("sdpa_dense", "sdpa_loop"):
+        inputs = [layout.split(t, rank).requires_grad_() for t in lc.cp_attention_inputs()[:3]]
+        out_weights = layout.split(lc.cp_attention_inputs()[3], rank)
+        context = build_context(backend, layout.seq_ids(rank), layout.positions(rank))
+        out = packed_attention(*inputs, context)
+        (out * out_weights).sum().backward()
+        entry = {"out": gather_from_cp_ranks(out.detach(), layout, cp_mesh).clone()}
+        for name, t in zip(("q", "k", "v"), inputs):
+            entry[f"grad_{name}"] = gather_from_cp_ranks(t.grad, layout, cp_mesh).clone()
+        results[f"cp{cp}/attention/{backend}"] = entry
+
+
 def run_all_layouts(world_size: int) -> dict:
     results: dict = {}
-    for dp_replicate, dp_shard, tp in lc.layouts(world_size):
-        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=1, tp=tp, world_size=world_size)
+    for dp_replicate, dp_shard, cp, tp in lc.layouts(world_size):
+        dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
         dims.build_meshes("cpu")
         run_layout(dims, False, results, CASES)
         if dp_replicate == 1:
             run_layout(dims, True, results, TIED_CASES)
         if 1 < tp == world_size:
             run_logprobs(dims.mesh("tp"), results)
+        if 1 < cp == world_size:
+            run_cp_attention(dims.mesh("cp"), results)
     return results
 
 

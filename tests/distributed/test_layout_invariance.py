@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import layout_cases as lc
 import layout_worker
+from torchtitan_rl.distributed.context_parallel import ZigzagLayout
+from torchtitan_rl.losses.reduction import REDUCTION_MODES
 from reference import launch_env, minibatch_loss
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 
@@ -141,7 +143,7 @@ def layout_keys(results, world):
 
 
 def batch_degree(layout: str) -> int:
-    """rep{R}_shard{S}_tp{T}[_tied] -> R * S, the number of ranks with different samples."""
+    """rep{R}_shard{S}_cp{C}_tp{T}[_tied] -> R * S, the number of ranks with different samples."""
     parts = layout.split("_")
     return int(parts[0][len("rep"):]) * int(parts[1][len("shard"):])
 
@@ -163,7 +165,7 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
     checked = 0
     for key, entry in results[world].items():
         parts = key.split("/")
-        if not key.startswith("rep") or parts[-1] in ("init", "step"):
+        if not key.startswith("rep") or parts[-1] in ("init", "step", "forward"):
             continue
         layout, mode, budget, variants = parts[0], parts[1], int(parts[2][len("budget"):]), tuple(parts[3].split("+"))
         dp = batch_degree(layout)
@@ -175,8 +177,26 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
         assert logged["loss_metrics/global_max_loss"] == pytest.approx(max_loss, rel=RTOL, abs=1e-12), key
         assert logged["grad_norm"] == pytest.approx(grad_norm(grads), rel=RTOL, abs=1e-12), key
         assert logged["tokens/loss_tokens"] == loss_tokens, key
+        # Padding (TP, CP) is never counted; throughput is per rank (the worker's window is
+        # the loss-token count over one second).
+        assert logged["tokens/total"] == sum(len(s) for s in lc.global_batch(variants[-1])), key
+        assert logged["throughput(tps)"] == pytest.approx(loss_tokens / world, rel=1e-12), key
         checked += 1
     assert checked >= len(layout_worker.CASES) - 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_forward_logprobs_equal_per_sequence_reference(results, world):
+    """Engine.forward: every sample's log-probs, in order, whatever splits its tokens."""
+    model = reference_model(False)
+    for layout in layout_keys(results, world):
+        if layout.endswith("_tied"):
+            continue
+        got = results[world][f"{layout}/forward"]
+        expected = [-losses for losses, _ in per_sequence_losses(model, "uneven")][: len(got)]
+        assert len(got) == lc.GLOBAL_BATCH_SIZE // batch_degree(layout), layout
+        for g, e in zip(got, expected):
+            assert_rel_close(g, e.detach(), f"{layout} forward")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -210,9 +230,9 @@ def test_clipped_adamw_step_equals_reference(results, world):
 
 def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
     """token_mean_legacy must differ from token_mean when micro-batches hold unequal counts."""
-    legacy = results[2]["rep1_shard2_tp1/token_mean_legacy/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
-    exact = results[2]["rep1_shard2_tp1/token_mean/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
-    legacy_one_mb = results[1]["rep1_shard1_tp1/token_mean_legacy/budget0/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    legacy = results[2]["rep1_shard2_cp1_tp1/token_mean_legacy/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    exact = results[2]["rep1_shard2_cp1_tp1/token_mean/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    legacy_one_mb = results[1]["rep1_shard1_cp1_tp1/token_mean_legacy/budget0/uneven"]["logged"]["loss_metrics/global_avg_loss"]
     # Float rounding moves these by ~1e-7 relative; the layout dependence is far larger.
     assert abs(legacy - exact) > 1e-4 * abs(exact)
     assert abs(legacy - legacy_one_mb) > 1e-4 * abs(exact)
@@ -220,7 +240,7 @@ def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
 
 
 def test_every_layout_was_checked(results):
-    expected = {f"rep{r}_shard{s}_tp{t}" for w in WORLDS for r, s, t in lc.layouts(w)}
+    expected = {f"rep{r}_shard{s}_cp{c}_tp{t}" for w in WORLDS for r, s, c, t in lc.layouts(w)}
     assert {layout for w in WORLDS for layout in layout_keys(results, w) if not layout.endswith("_tied")} == expected
 
 
@@ -239,3 +259,53 @@ def test_vocab_parallel_logprobs_and_entropy_equal_dense(results, world):
             got = results[world][f"tp{world}/logprobs/parallel{loss_parallel}/chunk{chunk}"]
             for name, value in expected.items():
                 assert_rel_close(got[name], value.detach(), f"tp{world} {name} chunk {chunk}", rtol=1e-6)
+
+
+def test_cp_data_puts_all_loss_tokens_of_one_sequence_on_one_rank():
+    """The premise of the CP layouts above: one sequence's loss sits on a single CP rank."""
+    sample = lc.global_batch("uneven")[lc.MIDDLE_LOSS]
+    for w in WORLDS:
+        for _, _, cp, tp in lc.layouts(w):
+            if cp == 1:
+                continue
+            layout = ZigzagLayout.build([len(sample)], cp, tp)
+            per_rank = [int(layout.split(sample.loss_mask, r, pad_value=False).sum()) for r in range(cp)]
+            assert sorted(per_rank)[-1] == sample.num_loss_tokens > 0 and sum(per_rank) == sample.num_loss_tokens
+
+
+def test_metrics_identical_for_cp1_and_cp2(results):
+    """Same mini-batch, same mode: every logged number of cp=2 equals that of one rank."""
+    for mode in REDUCTION_MODES:
+        for budget in lc.BUDGETS:
+            case = f"{mode}/budget{budget}/uneven"
+            one = results[1][f"rep1_shard1_cp1_tp1/{case}"]["logged"]
+            two = results[2][f"rep1_shard1_cp2_tp1/{case}"]["logged"]
+            for tag in ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm"):
+                assert two[tag] == pytest.approx(one[tag], rel=RTOL), (case, tag)
+            for tag in ("tokens/loss_tokens", "tokens/total"):
+                assert two[tag] == one[tag], (case, tag)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_attention_equals_unsplit_attention(results, world):
+    """Outputs and q/k/v gradients of attention under CP against the whole packed buffer."""
+    q, k, v, out_weights = (t.clone() for t in lc.cp_attention_inputs())
+    for t in (q, k, v):
+        t.requires_grad_()
+    lens = torch.tensor(lc.CP_ATTENTION_LENS)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    # Brute force: each document alone through causal SDPA (GQA by repeating K/V heads).
+    repeat = lc.CP_ATTENTION_HEADS // lc.CP_ATTENTION_KV_HEADS
+    outs = []
+    for doc in range(len(lens)):
+        rows = seq_ids == doc
+        qd, kd, vd = (t[rows].transpose(0, 1) for t in (q, k, v))
+        kd, vd = kd.repeat_interleave(repeat, 0), vd.repeat_interleave(repeat, 0)
+        outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True).transpose(0, 1))
+    out = torch.cat(outs)
+    (out * out_weights).sum().backward()
+    expected = {"out": out.detach(), "grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad}
+    for backend in ("sdpa_dense", "sdpa_loop"):
+        got = results[world][f"cp{world}/attention/{backend}"]
+        for name, value in expected.items():
+            assert_rel_close(got[name], value, f"cp{world} {backend} {name}", rtol=1e-5)

@@ -7,7 +7,8 @@ dp=2 + small budget (test) of a mode, a direct launch adds dp=2; the other pairs
 compared with the tool's folder mode. Every verdict of the tool is checked against the
 numbers read back independently with ``read_scalars``. The tool must also fail: exit 1 on a
 real difference (token_mean_legacy with a small budget, shuffled or shortened curves),
-exit 2 on a missing or empty folder and on a training run that fails.
+exit 2 on a missing or empty folder and on a training run that fails. Tensor parallel
+(dp=2 x tp=2) and context parallel (dp=2 x cp=2) curves must equal dp=2.
 """
 
 import dataclasses
@@ -111,7 +112,36 @@ def tensor_parallel_run(tmp_path_factory) -> Path:
     return dump
 
 
+CP_MODES = ["token_mean", "sequence_mean"]
+
+
+@pytest.fixture(scope="module")
+def context_parallel_runs(tmp_path_factory) -> dict[str, Path]:
+    """4 ranks, dp=2 x cp=2: every sequence split over two ranks (zigzag, CP-local loss)."""
+    folders = {}
+    for mode in CP_MODES:
+        folders[mode] = tmp_path_factory.mktemp("cp") / f"dp2_cp2_{mode}"
+        train(4, folders[mode], f"{COMMON} --loss.reduction {mode} --parallelism.context_parallel_degree 2")
+    return folders
+
+
 # ---------------------------------------------------------------- the promise holds
+
+
+@pytest.mark.parametrize("mode", CP_MODES)
+def test_context_parallel_curve_equals_data_parallel(runs, context_parallel_runs, mode):
+    folder = context_parallel_runs[mode]
+    base = runs[mode].folders["dp2"]
+    proc = tool("--baseline-folder", str(base), "--test-folder", str(folder), "--rtol", str(RTOL))
+    assert proc.returncode == 0, _output(proc)
+    assert "context_parallel_degree = 2" in (folder / "config.toml").read_text()
+    cp = read_scalars(str(folder / "tb"))
+    dp = runs[mode].scalars["dp2"]
+    for tag in (LOSS, GRAD_NORM, "loss_metrics/global_max_loss"):
+        assert max_rel_diff(dp[tag], cp[tag]) <= RTOL, tag
+    # Counts come from whole sequences: no CP factor, no CP padding.
+    assert cp["tokens/loss_tokens"] == dp["tokens/loss_tokens"]
+    assert cp["tokens/total"] == dp["tokens/total"]
 
 
 def test_tensor_parallel_curve_equals_data_parallel(runs, tensor_parallel_run):

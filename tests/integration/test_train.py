@@ -204,9 +204,9 @@ BAD_INPUT = {
         None, ["--training.dataset_path", "/nonexistent.jsonl"],
         ["training.dataset_path='/nonexistent.jsonl'", "does not exist"]),
     "malformed_jsonl": (None, ["--training.dataset_path", "{malformed}"], ["malformed JSON", "{malformed}", "line 2"]),
-    "context_parallel": (
-        None, ["--parallelism.context_parallel_degree", "2"],
-        ["parallelism.context_parallel_degree=2", "not yet supported"]),
+    "context_parallel_not_dividing_world": (
+        2, ["--parallelism.context_parallel_degree", "3"],
+        ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"]),
     "unknown_key": (None, ["--training.lr", "0.1"], ["unknown config key 'training.lr'", "did you mean 'optimizer.lr'"]),
     "misspelled_key": (None, ["--training.step", "5"], ["unknown config key 'training.step'", "'training.steps'"]),
 }

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.models.attention import (
     build_attention_context,
     packed_attention,
@@ -184,3 +185,29 @@ def test_flex_matches_sdpa_dense_on_cuda(lengths):
     torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
     for a, b in zip(flex_grads, dense_grads):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cp", [2, 4])
+def test_flex_matches_sdpa_dense_on_cp_shares_on_cuda(cp):
+    """The CUDA path of context parallel: a rank's zigzag queries against the keys of all
+    ranks in gathered order (what the CP all-gather hands attention), flex vs sdpa_dense."""
+    lengths = [130, 1, 77, 300]
+    layout = ZigzagLayout.build(lengths, cp)
+    kv_seq_ids = torch.cat([layout.seq_ids(r) for r in range(cp)]).cuda()
+    kv_positions = torch.cat([layout.positions(r) for r in range(cp)]).cuda()
+    num_kv = kv_seq_ids.numel()
+    for rank in range(cp):
+        seq_ids, positions = layout.seq_ids(rank).cuda(), layout.positions(rank).cuda()
+        q = random_qkv(seq_ids.numel(), device="cuda", seed=12 + rank)[0]
+        _, k, v = random_qkv(num_kv, device="cuda", seed=20)
+        upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(13)).cuda()
+        results = {}
+        for backend in ("flex", "sdpa_dense"):
+            context = build_attention_context(backend, seq_ids, positions, kv_seq_ids, kv_positions)
+            results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
+        (flex_out, flex_grads), (dense_out, dense_grads) = results["flex"], results["sdpa_dense"]
+        torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
+        for a, b in zip(flex_grads, dense_grads):
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)

@@ -318,11 +318,10 @@ def test_horizon_only_with_the_mode_that_uses_it():
     assert_error(["--loss.reduction", "seq_mean_token_sum_norm", "--loss.horizon", "0"], "loss.horizon", "> 0")
 
 
-def test_legacy_mode_rejected_with_context_parallel():
-    assert_error(
-        ["--loss.reduction", "token_mean_legacy", "--parallelism.context_parallel_degree", "2"],
-        "token_mean_legacy", "parallelism.context_parallel_degree",
-    )
+def test_legacy_mode_allowed_with_context_parallel():
+    # Its micro-batch is the one before the CP split, so the mode is well defined under CP.
+    cfg = parse("--loss.reduction", "token_mean_legacy", "--parallelism.context_parallel_degree", "2")
+    assert (cfg.loss.reduction, cfg.parallelism.context_parallel_degree) == ("token_mean_legacy", 2)
 
 
 def test_unknown_reduction_lists_valid_modes():

@@ -64,10 +64,20 @@ def test_dp_shard_zero_or_below_minus_one(value):
     assert str(value) in message
 
 
-def test_cp_not_yet_supported():
-    message = error_of(1, -1, 2, 1, world_size=4)
-    assert KEYS["cp"] in message
-    assert "not yet supported" in message
+@pytest.mark.parametrize(
+    "dp_replicate, dp_shard, cp, tp, world_size, inferred_shard",
+    [(1, -1, 2, 1, 4, 2), (1, -1, 4, 1, 4, 1), (1, -1, 2, 2, 8, 2), (2, -1, 2, 1, 8, 2), (2, 1, 2, 2, 8, 1)],
+)
+def test_context_parallel_layouts(dp_replicate, dp_shard, cp, tp, world_size, inferred_shard):
+    dims = ParallelDims(dp_replicate, dp_shard, cp, tp, world_size=world_size)
+    assert dims.dp_shard == inferred_shard
+    assert dims.batch_degree == dp_replicate * inferred_shard  # CP ranks share their samples
+    assert dims.fsdp_degree == inferred_shard * cp  # ... but shard parameters like DP ranks
+
+
+def test_context_parallel_not_dividing_world():
+    message = error_of(1, -1, 3, 1, world_size=4)
+    assert KEYS["cp"] in message and "(3)" in message and "world size 4" in message
 
 
 @pytest.mark.parametrize("dp_replicate, dp_shard, tp, world_size", [(1, 2, 2, 4), (1, -1, 4, 4), (2, 2, 2, 8), (1, 1, 2, 2)])

@@ -189,14 +189,72 @@ class Metrics:
 
 
 @dataclass
+class Profiling:
+    """Memory profiling of chosen steps (off by default)."""
+
+    enable_memory_snapshot: bool = False
+    """Record the memory of the steps in memory_snapshot_steps, one file per rank and step. On
+    CUDA: an allocator snapshot (.pickle, for https://pytorch.org/memory_viz). On CPU, which has
+    no allocator history: a timeline of the bytes the step allocates, from the PyTorch profiler
+    (.json)."""
+
+    memory_snapshot_steps: list[int] = field(default_factory=lambda: [1])
+    """Steps to record (1-based, each at most training.steps). Step 1 also allocates the
+    optimizer state; later steps show the steady state."""
+
+    memory_snapshot_max_entries: int = bounded(100000, ge=1)
+    """Allocator history entries kept on CUDA (older ones are dropped); unused on CPU."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Subfolder of job.dump_folder for the files, as step_{N}/rank{R}_dp{d}_cp{c}_tp{t}_*."""
+
+
+@dataclass
 class Checkpoint:
-    """Initial weights."""
+    """Saving and resuming the training state (torch.distributed.checkpoint), and initial weights."""
+
+    enable: bool = False
+    """Save checkpoints every checkpoint.interval steps and at the last step, and resume from
+    the latest complete one in checkpoint.folder at start-up."""
+
+    folder: str = "checkpoint"
+    """Subfolder of job.dump_folder holding the step-{N} checkpoints."""
+
+    interval: int = bounded(500, ge=1)
+    """Save every this many steps (the last step is always saved)."""
+
+    keep_latest_k: int = bounded(0, ge=0)
+    """Keep only the newest k complete checkpoints; 0 keeps all. A checkpoint is deleted only
+    after a newer one is complete, so the only complete checkpoint is never deleted."""
+
+    load_step: int = bounded(-1, ge=-1)
+    """Step to resume from; -1 takes the latest complete checkpoint."""
 
     initial_load_path: str = ""
-    """HF directory with model weights to start from. Empty starts from random init."""
+    """Weights to start from when checkpoint.folder holds no checkpoint yet: a Hugging Face
+    directory (with checkpoint.initial_load_in_hf) or one of our step-{N} folders. Empty
+    starts from random weights."""
+
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path (not optimizer, schedule, data
+    position or step). Hugging Face weights are always model only."""
 
     initial_load_in_hf: bool = False
-    """Whether initial_load_path holds HF-format (safetensors) weights."""
+    """initial_load_path is a Hugging Face directory (config.json + safetensors)."""
+
+    last_save_model_only: bool = False
+    """At the last step save only the model weights, in checkpoint.export_dtype."""
+
+    last_save_in_hf: bool = False
+    """Write the last step's model-only save in Hugging Face format (safetensors +
+    config.json + tokenizer files), loadable by transformers. Needs last_save_model_only."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of a model-only last save."""
+
+    async_mode: Literal["disabled", "async"] = "disabled"
+    """disabled: saves block the step. async: the state is copied to host memory and written
+    in the background; the checkpoint is marked complete once every rank finished writing."""
 
 
 @dataclass
@@ -230,6 +288,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     loss: Loss = field(default_factory=Loss)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)

@@ -22,7 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.config.job_config import JobConfig
+from torchtitan_rl.config.job_config import Checkpoint, JobConfig
 
 _CONFIG_FILE_KEY = "job.config_file"
 _TRUE = ("true", "1", "yes")
@@ -190,15 +190,11 @@ def _check_job_config(cfg: JobConfig) -> None:
             f"loss.horizon: only used by loss.reduction = 'seq_mean_token_sum_norm', "
             f"but the reduction is {loss.reduction!r}; remove the key or change the mode"
         )
-    if loss.reduction == "token_mean_legacy" and cfg.parallelism.context_parallel_degree > 1:
-        raise ValueError(
-            "loss.reduction: 'token_mean_legacy' averages per micro-batch of whole sequences, "
-            "which is ill-defined when context parallel splits sequences over ranks "
-            f"(parallelism.context_parallel_degree = {cfg.parallelism.context_parallel_degree})"
-        )
     shard = cfg.parallelism.data_parallel_shard_degree
     if shard != -1 and shard < 1:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
+    _check_profiling(cfg)
+    _check_checkpoint(cfg)
     # Imported here: the model package is heavy and not needed to parse a command line.
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
 
@@ -207,6 +203,52 @@ def _check_job_config(cfg: JobConfig) -> None:
             f"model.flavor: unknown flavor {cfg.model.flavor!r} for model.name "
             f"{cfg.model.name!r}; choose one of {', '.join(map(repr, qwen3_flavors))}"
         )
+
+
+def _check_profiling(cfg: JobConfig) -> None:
+    # The steps are checked even while snapshots are off: a recipe that lists a step the run
+    # never reaches would otherwise fail only once someone turns snapshots on.
+    profiling, steps = cfg.profiling, cfg.training.steps
+    key = "profiling.memory_snapshot_steps"
+    if profiling.enable_memory_snapshot and not profiling.memory_snapshot_steps:
+        raise ValueError(
+            f"{key}: is empty but profiling.enable_memory_snapshot = true; list the steps to "
+            "record, e.g. [1], or turn snapshots off"
+        )
+    seen = set()
+    for step in profiling.memory_snapshot_steps:
+        if not 1 <= step <= steps:
+            raise ValueError(f"{key}: step {step} is outside the run's steps 1..{steps} (training.steps)")
+        if step in seen:
+            raise ValueError(f"{key}: step {step} is listed more than once")
+        seen.add(step)
+
+
+def _check_checkpoint(cfg: JobConfig) -> None:
+    ckpt = cfg.checkpoint
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ValueError(
+            "checkpoint.last_save_in_hf: a Hugging Face save holds only the model weights; "
+            "set checkpoint.last_save_model_only = true as well"
+        )
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise ValueError("checkpoint.initial_load_in_hf: set checkpoint.initial_load_path to the Hugging Face directory")
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise ValueError(
+            "checkpoint.initial_load_model_only: must be true with checkpoint.initial_load_in_hf "
+            "(a Hugging Face directory holds no optimizer, schedule or data state)"
+        )
+    if ckpt.load_step > cfg.training.steps:
+        raise ValueError(
+            f"checkpoint.load_step: step {ckpt.load_step} is past the run's last step "
+            f"{cfg.training.steps} (training.steps)"
+        )
+    for key in ("load_step", "keep_latest_k", "last_save_model_only", "async_mode"):
+        default = getattr(Checkpoint(), key)
+        if not ckpt.enable and getattr(ckpt, key) != default:
+            # Fail closed: a saving or resuming option on a run that never checkpoints is a
+            # forgotten checkpoint.enable.
+            raise ValueError(f"checkpoint.{key}: only used with checkpoint.enable = true")
 
 
 def _did_you_mean(name: str, candidates: list[str]) -> str:

@@ -1,6 +1,6 @@
 """Micro-batch plan: pack a rank's samples into token-budgeted, batch-free micro-batches."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,12 @@ class MicroBatch:
     # Zero-weight tokens appended so the token count divides what sequence parallel needs;
     # they form one extra pseudo-sequence of their own, invisible to real tokens.
     num_padding_tokens: int = 0
+    # Loss tokens of the whole micro-batch; stays that of the whole one after a CP split
+    # (token_mean_legacy normalizes by it).
+    num_loss_tokens: int = 0
+    # Set on a context-parallel share: how the whole micro-batch was split
+    # (distributed.context_parallel.ZigzagLayout); None for a whole micro-batch.
+    cp_layout: object | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -42,16 +48,14 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return MicroBatch(
+        return replace(
+            self,
             input_ids=move(self.input_ids),
             labels=move(self.labels),
             loss_mask=move(self.loss_mask),
             positions=move(self.positions),
             seq_ids=move(self.seq_ids),
             seq_num_loss_tokens=move(self.seq_num_loss_tokens),
-            seq_lens=self.seq_lens,
-            is_padding=self.is_padding,
-            num_padding_tokens=self.num_padding_tokens,
         )
 
 
@@ -104,6 +108,7 @@ def pack(samples: list[Sample], pad_multiple: int = 1) -> MicroBatch:
         ),
         seq_lens=seq_lens,
         num_padding_tokens=num_padding,
+        num_loss_tokens=sum(s.num_loss_tokens for s in samples),
     )
 
 

@@ -40,10 +40,6 @@ class ParallelDims:
                 raise ValueError(f"{names[dim]} must be >= 1, got {getattr(self, dim)}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"{names['dp_shard']} must be -1 or >= 1, got {self.dp_shard}")
-        if self.cp > 1:
-            raise ValueError(
-                f"{names['cp']}={self.cp}: context parallel is not yet supported; set it to 1"
-            )
         others = self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others != 0:

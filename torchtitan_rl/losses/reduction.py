@@ -56,6 +56,6 @@ def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int)
     if mode == "seq_mean_token_sum_norm":
         return mask / (horizon * num_seqs)
     if mode == "token_mean_legacy":
-        local_loss_tokens = mb.loss_mask.sum().clamp(min=1)
-        return mask / (local_loss_tokens * counts[NUM_MICROBATCHES_WITH_LOSS].clamp(min=1))
+        # The whole micro-batch's count, so a CP share normalizes like the whole micro-batch.
+        return mask / (max(mb.num_loss_tokens, 1) * counts[NUM_MICROBATCHES_WITH_LOSS].clamp(min=1))
     raise ValueError(f"unknown loss.reduction {mode!r}; valid modes: {', '.join(REDUCTION_MODES)}")

@@ -14,6 +14,7 @@ The mask data depends only on the micro-batch, so it is built once per forward i
 ``AttentionContext`` and shared by every layer.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -64,6 +65,9 @@ class AttentionContext:
     # the documents already cover the queries in order.
     inverse_query_order: torch.Tensor | None = None
     block_mask: BlockMask | None = None  # flex
+    # Context parallel: gathers this rank's ``[T, ...]`` keys/values into the ``[S, ...]`` keys
+    # the mask describes (an autograd all-gather over the CP ranks); None when keys are local.
+    gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def build_attention_context(
@@ -109,12 +113,18 @@ def packed_attention(
 ) -> torch.Tensor:
     """Attend ``q [T, n_heads, head_dim]`` to ``k, v [S, n_kv_heads, head_dim]``.
 
+    With ``context.gather_kv`` (context parallel), ``k, v`` are this rank's ``[T, ...]`` and
+    are gathered into the ``S`` keys the context's mask describes.
+
     GQA: query head h uses kv head ``h // (n_heads // n_kv_heads)``. Returns
     ``[T, n_heads, head_dim]``; the scale is ``1 / sqrt(head_dim)``.
     """
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"n_heads ({q.shape[1]}) must be a multiple of n_kv_heads ({k.shape[1]})")
     scale = q.shape[-1] ** -0.5
+    if context.gather_kv is not None:
+        # One collective for both: K and V share their token layout.
+        k, v = context.gather_kv(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
     if context.backend == "sdpa_dense":
         return _sdpa(q, k, v, mask=context.dense_mask, scale=scale)
     if context.backend == "sdpa_loop":

@@ -127,6 +127,9 @@ class Qwen3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # Builds the per-forward mask data from (backend, seq_ids, positions). Parallelism
+        # may swap it (context parallel attends to keys gathered from other ranks).
+        self.attention_context_builder = build_attention_context
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor
@@ -141,7 +144,7 @@ class Qwen3Model(nn.Module):
                 "tokens, positions and seq_ids must be 1-D of equal length, got "
                 f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
             )
-        attn_context = build_attention_context(self.args.attn_backend, seq_ids, positions)
+        attn_context = self.attention_context_builder(self.args.attn_backend, seq_ids, positions)
         h = self.tok_embeddings(tokens)
         rotary = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         for layer in self.layers.values():

@@ -12,17 +12,22 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan_rl.distributed.context_parallel import cp_attention_context_builder
 from torchtitan_rl.distributed.fsdp import apply_fsdp
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-    """Tensor parallel first (it changes parameters into TP DTensors), then FSDP2 on top."""
+    """Tensor parallel first (it changes parameters into TP DTensors), context parallel
+    (attention only: parameters are untouched), then FSDP2 on top, sharding over dp_shard × cp."""
     tp_mesh = parallel_dims.mesh("tp")
     if tp_mesh is not None:
         check_tp_divisibility(model.args, tp_mesh.size())
         apply_tp(model, tp_mesh)
+    cp_mesh = parallel_dims.mesh("cp")
+    if cp_mesh is not None:
+        model.attention_context_builder = cp_attention_context_builder(cp_mesh)
     mesh = parallel_dims.fsdp_mesh()
     if mesh is not None:
         apply_fsdp(model, list(model.layers.values()), mesh, param_dtype, reduce_dtype)
