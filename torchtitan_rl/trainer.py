@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import build_sft_dataloader
@@ -19,10 +20,11 @@ from torchtitan_rl.distributed.init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.losses.reduction import NUM_TOKENS, SUM_SQUARED_SEQ_LENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
 from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
@@ -48,27 +50,16 @@ def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
     return dims
 
 
-def _check_initial_load(job_config: JobConfig) -> None:
-    path = job_config.checkpoint.initial_load_path
-    if not path:
-        return
-    if not os.path.isdir(path):
-        raise ValueError(
-            f"checkpoint.initial_load_path={path!r} does not exist: put the Hugging Face model "
-            "directory (config.json, *.safetensors, tokenizer.json) there, or clear the key to "
-            "start from random weights"
-        )
-    raise ValueError(
-        f"checkpoint.initial_load_path={path!r}: loading Hugging Face weights is not supported "
-        "yet; clear the key to start from random weights"
-    )
-
-
 def model_args_from_config(job_config: JobConfig, device: torch.device, vocab_size: int) -> Qwen3ModelArgs:
     args = dataclasses.replace(
         qwen3_flavors[job_config.model.flavor],
         attn_backend=resolve_attn_backend(job_config.model.attn_backend, device),
     )
+    ckpt = job_config.checkpoint
+    if ckpt.initial_load_in_hf:
+        # Before building anything: a wrong flavor would otherwise surface as a shape error.
+        hf_args = read_hf_model_args(ckpt.initial_load_path, args.attn_backend)
+        check_flavor(hf_args, job_config.model.flavor, os.path.join(ckpt.initial_load_path, "config.json"))
     if vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer has {vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
@@ -118,7 +109,6 @@ class SFTTrainer:
         self.job_config = job_config
         self.rank, world_size, self.device = init_distributed(job_config.comm.init_timeout_seconds)
         self.parallel_dims = build_parallel_dims(job_config, world_size)
-        _check_initial_load(job_config)
         torch.manual_seed(job_config.debug.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -152,6 +142,20 @@ class SFTTrainer:
         self.memory_profiler = MemoryProfiler(
             job_config.profiling, job_config.job.dump_folder, self.parallel_dims, self.rank, self.device
         )
+        self.train_state = TrainState()
+        self.checkpointer = CheckpointManager(
+            job_config.checkpoint,
+            job_config.job.dump_folder,
+            self.engine.model,
+            self.engine.optimizer,
+            self.engine.lr_scheduler,
+            self.dataloader,
+            self.train_state,
+            args,
+            tokenizer_dir=job_config.model.hf_assets_path,
+        )
+        if self.checkpointer.load():
+            logger.info("resuming after step %d", self.train_state.step)
 
     def train(self) -> None:
         log_freq = self.job_config.metrics.log_freq
@@ -159,15 +163,19 @@ class SFTTrainer:
         data_iter = iter(self.dataloader)
         window_start = time.perf_counter()
         window_tokens = window_squared_lens = 0
-        logger.info("training %d steps on %d rank(s)", steps, self.parallel_dims.world_size)
-        for step in range(1, steps + 1):
+        first = self.train_state.step + 1
+        logger.info("training steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
+        for step in range(first, steps + 1):
             samples = next(data_iter)
             with self.memory_profiler.step(step):
                 fb = self.engine.forward_backward(samples, "cross_entropy")
                 optim = self.engine.optim_step()
             window_tokens = window_tokens + fb.counts[NUM_TOKENS]
             window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
-            if step % log_freq == 0 or step == 1 or step == steps:
+            self.train_state.step = step
+            # Summed on the host only when a checkpoint is written.
+            self.train_state.tokens_seen = self.train_state.tokens_seen + fb.counts[NUM_TOKENS]
+            if step % log_freq == 0 or step == first or step == steps:
                 self.metrics.log(
                     step,
                     fb,
@@ -179,6 +187,8 @@ class SFTTrainer:
                 )
                 window_start = time.perf_counter()
                 window_tokens = window_squared_lens = 0
+            self.checkpointer.maybe_save(step, last=step == steps)
+        self.checkpointer.wait()
         self.metrics.close()
 
     def close(self) -> None:

@@ -96,9 +96,9 @@ def test_cli_booleans(text, expected):
 
 
 def test_bare_boolean_flag_means_true():
-    cfg = parse("--debug.deterministic", "--checkpoint.initial_load_in_hf")
+    cfg = parse("--debug.deterministic", "--checkpoint.enable")
     assert cfg.debug.deterministic is True
-    assert cfg.checkpoint.initial_load_in_hf is True
+    assert cfg.checkpoint.enable is True
 
 
 def test_bad_boolean():
@@ -515,3 +515,29 @@ def test_resolved_lists_round_trip(tmp_path):
     write_resolved_config(cfg, out)
     with open(out, "rb") as f:
         assert tomllib.load(f) == {"lists": {"ints": [1, 2], "strs": ["a", "b"], "floats": [2.0]}}
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], ["checkpoint.last_save_in_hf", "last_save_model_only"]),
+        (["--checkpoint.initial_load_in_hf"], ["checkpoint.initial_load_in_hf", "initial_load_path"]),
+        (["--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_in_hf",
+          "--checkpoint.initial_load_model_only", "false"], ["checkpoint.initial_load_model_only", "must be true"]),
+        (["--checkpoint.enable", "--checkpoint.load_step", "11", "--training.steps", "10"],
+         ["checkpoint.load_step", "step 11", "training.steps"]),
+        (["--checkpoint.keep_latest_k", "2"], ["checkpoint.keep_latest_k", "checkpoint.enable = true"]),
+        (["--checkpoint.async_mode", "async"], ["checkpoint.async_mode", "checkpoint.enable = true"]),
+        (["--checkpoint.async_mode", "background"], ["checkpoint.async_mode", "'disabled'", "'async'"]),
+        (["--checkpoint.interval", "0"], ["checkpoint.interval"]),
+    ],
+)
+def test_checkpoint_key_combinations(argv, fragments):
+    assert_error(argv, *fragments)
+
+
+def test_checkpoint_keys_accepted_together():
+    cfg = parse("--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf",
+                "--checkpoint.export_dtype", "bfloat16", "--checkpoint.initial_load_path", "hf",
+                "--checkpoint.initial_load_in_hf", "--checkpoint.keep_latest_k", "1")
+    assert (cfg.checkpoint.export_dtype, cfg.checkpoint.keep_latest_k) == ("bfloat16", 1)

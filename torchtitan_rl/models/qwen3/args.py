@@ -1,8 +1,11 @@
-"""Qwen3 dense model hyper-parameters and the published flavors."""
+"""Qwen3 dense model hyper-parameters, the published flavors, and conversion from/to HF ``config.json``."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from torchtitan_rl.models.attention import ATTN_BACKEND_CHOICES
+
+_REQUIRED = object()  # marks config.json fields without a default
 
 
 @dataclass
@@ -32,6 +35,107 @@ class Qwen3ModelArgs:
                 f"unknown attn_backend {self.attn_backend!r}; valid: "
                 f"{', '.join(ATTN_BACKEND_CHOICES)}"
             )
+
+    @classmethod
+    def from_hf_config(
+        cls, config: dict[str, Any], attn_backend: str = "sdpa_dense", source: str = "config.json"
+    ) -> "Qwen3ModelArgs":
+        """The args of an HF ``Qwen3Config`` dict (the contents of ``config.json``).
+
+        Shape fields are required; the others default as in transformers' ``Qwen3Config``.
+        Anything this model cannot compute (MoE, biases, sliding window, scaled RoPE, another
+        activation) is a ValueError naming ``source`` and the field, never silently ignored.
+        """
+        _check_hf_config_supported(config, source)
+
+        def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
+            value = config.get(key, default)
+            if value is _REQUIRED:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            accepted = (int, float) if kind is float else kind
+            # bool is an int subclass; a number field holding true/false is a broken config.
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
+                raise ValueError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
+            return kind(value)
+
+        return cls(
+            vocab_size=get("vocab_size", int),
+            dim=get("hidden_size", int),
+            n_layers=get("num_hidden_layers", int),
+            n_heads=get("num_attention_heads", int),
+            n_kv_heads=get("num_key_value_heads", int),
+            head_dim=get("head_dim", int),
+            hidden_dim=get("intermediate_size", int),
+            norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=_hf_rope_theta(config, source),
+            tie_embeddings=get("tie_word_embeddings", bool, False),
+            max_seq_len=get("max_position_embeddings", int, 32768),
+            attn_backend=attn_backend,
+        )
+
+    def to_hf_config(self, torch_dtype: str) -> dict[str, Any]:
+        """``config.json`` of the equivalent HF ``Qwen3ForCausalLM``, weights stored as ``torch_dtype``.
+
+        Laid out like the published Qwen3 checkpoints (top-level ``rope_theta``), which
+        transformers 4.51+ and 5 (which moved it into ``rope_parameters``) both read.
+        """
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.hidden_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_embeddings,
+            "max_position_embeddings": self.max_seq_len,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.n_layers,
+            "torch_dtype": torch_dtype,
+        }
+
+
+def _check_hf_config_supported(config: dict[str, Any], source: str) -> None:
+    model_type = config.get("model_type")
+    if model_type != "qwen3":
+        raise ValueError(
+            f"{source}: model_type is {model_type!r}; only dense Qwen3 ('qwen3') is supported "
+            "(not MoE or other architectures)"
+        )
+    for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
+        if config.get(key, supported) != supported:
+            raise ValueError(f"{source}: {key}={config[key]!r} is not supported (only {supported!r})")
+    layer_types = config.get("layer_types") or []
+    if any(layer_type != "full_attention" for layer_type in layer_types):
+        raise ValueError(f"{source}: layer_types={layer_types!r}; only 'full_attention' layers are supported")
+
+
+def _hf_rope_theta(config: dict[str, Any], source: str) -> float:
+    """RoPE base as transformers resolves it: ``rope_scaling`` (4.x) wins over ``rope_parameters``
+    (5.x), whose ``rope_theta`` wins over the top-level one (4.x); default 10000."""
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source}: field {key!r} must be an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{source}: {key} has rope_type={rope_type!r}; only unscaled ('default') RoPE is supported")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor={partial!r} is not supported (only 1.0)")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
+    return float(theta)
 
 
 def _published(dim, n_layers, n_heads, hidden_dim, tie_embeddings) -> Qwen3ModelArgs:
@@ -70,3 +174,33 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     "4B": _published(dim=2560, n_layers=36, n_heads=32, hidden_dim=9728, tie_embeddings=True),
     "8B": _published(dim=4096, n_layers=36, n_heads=32, hidden_dim=12288, tie_embeddings=False),
 }
+
+
+# Runtime choices, not properties of the weights or of the function the model computes (RoPE
+# is evaluated at each token's position, so the context length only bounds the data).
+_NOT_ARCHITECTURE = ("attn_backend", "max_seq_len")
+
+
+def architecture_differences(a: Qwen3ModelArgs, b: Qwen3ModelArgs) -> list[tuple[str, Any, Any]]:
+    """``(field, a's value, b's value)`` for every architecture field where the two differ."""
+    names = [f.name for f in fields(Qwen3ModelArgs) if f.name not in _NOT_ARCHITECTURE]
+    return [(name, getattr(a, name), getattr(b, name)) for name in names if getattr(a, name) != getattr(b, name)]
+
+
+def find_flavor(args: Qwen3ModelArgs) -> str | None:
+    """The named flavor with the same architecture as ``args``, if any."""
+    return next((name for name, flavor in qwen3_flavors.items() if not architecture_differences(args, flavor)), None)
+
+
+def check_flavor(args: Qwen3ModelArgs, flavor: str, source: str) -> None:
+    """Raise a ValueError listing the differences when ``args`` (read from ``source``) is not ``flavor``."""
+    differences = architecture_differences(args, qwen3_flavors[flavor])
+    if not differences:
+        return
+    says = ", ".join(f"{name}={ours}" for name, ours, _ in differences)
+    has = ", ".join(f"{name}={theirs}" for name, _, theirs in differences)
+    match = find_flavor(args)
+    hint = f" ({source} matches model.flavor={match!r})" if match else " (no named flavor matches it)"
+    raise ValueError(
+        f"checkpoint from another model flavor: {source} says {says}; model.flavor={flavor!r} has {has}{hint}"
+    )

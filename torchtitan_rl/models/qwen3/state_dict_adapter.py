@@ -1,6 +1,6 @@
 """Key mapping between this Qwen3 implementation and Hugging Face ``Qwen3ForCausalLM``.
 
-Pure tensor-dict mapping; reading and writing checkpoint files is someone else's job.
+Pure tensor-dict mapping; ``torchtitan_rl/hf_checkpoint.py`` reads and writes the files.
 """
 
 import re

@@ -1,0 +1,190 @@
+"""CheckpointManager in one process: what is saved and restored, completeness, pruning, bad input."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from torchtitan_rl.checkpoint import DESCRIPTION_FILE, CheckpointManager, TrainState, step_folders
+from torchtitan_rl.config.job_config import Checkpoint
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+
+ARGS = Qwen3ModelArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, hidden_dim=24)
+
+
+class Loader:
+    """Stands in for the data loader: its position must round-trip."""
+
+    def __init__(self, position: int = 0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position, "epoch": 2}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def build(dump: str, seed: int = 0, args: Qwen3ModelArgs = ARGS, **config):
+    model = Qwen3Model(args)
+    model.init_weights(seed)
+    optimizer = build_optimizer(model, 1e-2, 0.9, 0.95, 1e-8, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 2, "linear", 0.0)
+    state = TrainState()
+    loader = Loader()
+    manager = CheckpointManager(
+        Checkpoint(enable=True, **config), dump, model, optimizer, scheduler, loader, state, args
+    )
+    return manager, model, optimizer, scheduler, loader, state
+
+
+def train_steps(model, optimizer, scheduler, num: int) -> None:
+    tokens = torch.arange(12) % ARGS.vocab_size
+    for _ in range(num):
+        hidden = model(tokens, torch.arange(12), torch.zeros(12, dtype=torch.long))
+        model.output(hidden).logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+
+
+def test_save_and_resume_restore_every_piece(tmp_path):
+    manager, model, optimizer, scheduler, loader, state = build(str(tmp_path), interval=2)
+    train_steps(model, optimizer, scheduler, 2)
+    loader.position, state.step, state.tokens_seen = 17, 2, torch.tensor(345)
+    torch.manual_seed(99)
+    manager.maybe_save(2, last=False)
+    expected_rng = torch.get_rng_state()
+    expected_next_lr = scheduler.get_last_lr()
+    saved_params = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_moments = {k: v["exp_avg"].clone() for k, v in optimizer.state_dict()["state"].items()}
+
+    # A fresh run (other init, other RNG) resumes exactly where the first one stood.
+    torch.manual_seed(0)
+    fresh, model2, optimizer2, scheduler2, loader2, state2 = build(str(tmp_path), seed=5, interval=2)
+    assert fresh.load() is True
+    assert (state2.step, state2.tokens_seen, loader2.position) == (2, 345, 17)
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert scheduler2.get_last_lr() == expected_next_lr
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, saved_params[k]), k
+    for k, v in optimizer2.state_dict()["state"].items():
+        assert torch.equal(v["exp_avg"], saved_moments[k])
+    # ... and continues identically.
+    train_steps(model, optimizer, scheduler, 1)
+    train_steps(model2, optimizer2, scheduler2, 1)
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_saves_at_interval_and_last_step_only(tmp_path):
+    manager, *_ = build(str(tmp_path), interval=3)
+    for step in range(1, 8):
+        manager.maybe_save(step, last=step == 7)
+    assert sorted(step_folders(str(tmp_path / "checkpoint"))) == [3, 6, 7]
+
+
+def test_nothing_without_enable(tmp_path):
+    manager, *_ = build(str(tmp_path))
+    manager.config = Checkpoint(enable=False)
+    manager.maybe_save(500, last=True)
+    assert not (tmp_path / "checkpoint").exists()
+    assert manager.load() is False
+
+
+def test_partial_folders_are_never_loaded_and_are_replaced(tmp_path):
+    manager, model, *_ = build(str(tmp_path), interval=1)
+    manager.maybe_save(1, last=False)
+    # A save of step 2 that died half-way: shards but no completion mark.
+    partial = tmp_path / "checkpoint" / "step-2.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    assert sorted(step_folders(str(tmp_path / "checkpoint"))) == [1]
+    fresh, _, _, _, _, state = build(str(tmp_path), interval=1)
+    assert fresh.load() and state.step == 0  # step 1's state (the saved TrainState was 0)
+    fresh.maybe_save(2, last=False)
+    assert not partial.exists() and sorted(step_folders(str(tmp_path / "checkpoint"))) == [1, 2]
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_keep_latest_k_prunes_only_after_a_newer_checkpoint_is_complete(tmp_path, keep):
+    manager, *_ = build(str(tmp_path), interval=1, keep_latest_k=keep)
+    folder = str(tmp_path / "checkpoint")
+    for step in range(1, 5):
+        manager.maybe_save(step, last=False)
+        assert sorted(step_folders(folder)) == list(range(max(1, step - keep + 1), step + 1))
+    # A failing save never costs the complete one.
+    original = manager.states["model"].state_dict
+    manager.states["model"].state_dict = lambda: (_ for _ in ()).throw(RuntimeError("disk full"))
+    with pytest.raises(Exception, match="disk full"):
+        manager.maybe_save(5, last=False)
+    manager.states["model"].state_dict = original
+    assert 4 in step_folders(folder)
+
+
+def test_load_step_picks_that_checkpoint_or_names_what_exists(tmp_path):
+    manager, model, optimizer, scheduler, loader, state = build(str(tmp_path), interval=1)
+    for step in (1, 2):
+        state.step = step
+        manager.maybe_save(step, last=False)
+    fresh, *_, state2 = build(str(tmp_path), load_step=1)
+    assert fresh.load() and state2.step == 1
+    missing, *_ = build(str(tmp_path), load_step=7)
+    with pytest.raises(ValueError, match=r"load_step=7.*step-7.*found: \[1, 2\]"):
+        missing.load()
+
+
+def test_model_only_last_save_in_export_dtype_is_not_resumed_from(tmp_path):
+    manager, model, *_ = build(str(tmp_path), interval=5, last_save_model_only=True, export_dtype="bfloat16")
+    manager.maybe_save(5, last=False)
+    manager.maybe_save(6, last=True)
+    folder = tmp_path / "checkpoint"
+    assert json.loads((folder / "step-6" / DESCRIPTION_FILE).read_text())["model_only"] is True
+    fresh, _, _, _, _, state = build(str(tmp_path))
+    state.step = -1
+    assert fresh.load() and state.step == 0  # resumed from step 5, the full checkpoint
+    # The model-only save can start another run, in bfloat16 precision.
+    start, model2, *_ = build(str(tmp_path / "other"), seed=3, initial_load_path=str(folder / "step-6"))
+    assert start.load() is False
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16).float(), b), k
+
+
+def test_checkpoint_of_another_flavor_names_the_difference(tmp_path):
+    manager, *_ = build(str(tmp_path), interval=1)
+    manager.maybe_save(1, last=False)
+    other = dataclasses.replace(ARGS, n_layers=2, hidden_dim=32)
+    fresh, *_ = build(str(tmp_path), args=other)
+    with pytest.raises(ValueError, match=r"another model.*n_layers=1 \(this run: 2\).*hidden_dim=24 \(this run: 32\)"):
+        fresh.load()
+
+
+def test_missing_shard_and_corrupted_metadata_name_the_file(tmp_path):
+    manager, *_ = build(str(tmp_path), interval=1)
+    manager.maybe_save(1, last=False)
+    manager.maybe_save(2, last=False)
+    folder = tmp_path / "checkpoint"
+    os.remove(folder / "step-2" / "__0_0.distcp")
+    fresh, *_ = build(str(tmp_path))
+    with pytest.raises(ValueError, match=r"step-2 is incomplete: missing shard file\(s\) __0_0.distcp"):
+        fresh.load()
+    (folder / "step-2" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match=r"step-2/.metadata is corrupted"):
+        fresh.load()
+    (folder / "step-2" / DESCRIPTION_FILE).write_text("{")
+    with pytest.raises(ValueError, match=rf"{DESCRIPTION_FILE} is corrupted"):
+        fresh.load()
+
+
+def test_initial_load_path_errors(tmp_path):
+    manager, *_ = build(str(tmp_path), initial_load_path=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="initial_load_path=.*nowhere.* does not exist"):
+        manager.load()
+    (tmp_path / "plain").mkdir()
+    manager, *_ = build(str(tmp_path), initial_load_path=str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match=f"not a checkpoint of this project: {DESCRIPTION_FILE} is missing"):
+        manager.load()

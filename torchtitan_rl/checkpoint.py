@@ -1,0 +1,328 @@
+"""Checkpoints: save and resume the whole training state with torch.distributed.checkpoint.
+
+``{dump_folder}/{checkpoint.folder}/step-{N}/`` holds one checkpoint: DCP shards of the model,
+optimizer, LR schedule, data-loader position, train state (step, tokens seen) and RNG
+state, plus ``checkpoint.json`` describing it. DCP stores every tensor with its global shape
+and offsets, so a checkpoint loads into any parallel layout (another DP degree, TP or CP).
+
+Crash safety: a checkpoint is written to ``step-{N}.partial`` and renamed to ``step-{N}``
+by rank 0 only after every rank finished writing (DCP's coordinator writes its metadata
+last, after gathering every rank's result). The rename is atomic, so a process killed
+during a save leaves only a ``.partial`` folder, which is never loaded and is removed by
+the next save. Old checkpoints are deleted (``keep_latest_k``) only after a newer one is
+complete.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint.utils import CheckpointException
+
+from torchtitan_rl.config.job_config import Checkpoint
+from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, architecture_differences
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION_FILE = "checkpoint.json"
+_STEP_FOLDER = re.compile(r"step-(\d+)")
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass
+class TrainState(Stateful):
+    """Where the run is: the last finished step and the real (unpadded) tokens trained on."""
+
+    step: int = 0
+    tokens_seen: int | torch.Tensor = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        # tokens_seen may be a device tensor (summed without host syncs during training).
+        return {"step": self.step, "tokens_seen": int(self.tokens_seen)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(state_dict["step"]), int(state_dict["tokens_seen"])
+
+
+class _ModelState(Stateful):
+    """The model's parameters as DTensors/tensors with global shapes (any layout loads them)."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+        self.model, self.dtype = model, dtype
+
+    def state_dict(self) -> dict[str, Any]:
+        state = get_model_state_dict(self.model)
+        if self.dtype is not None:
+            state = {k: v.to(self.dtype) for k, v in state.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class _OptimizerState(Stateful):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class _RNGState(Stateful):
+    """Every rank seeds the same generators the same way, so one copy describes all ranks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])
+
+
+def step_folders(folder: str) -> dict[int, str]:
+    """Complete checkpoints in ``folder``: step -> path (``.partial`` folders are not listed)."""
+    if not os.path.isdir(folder):
+        return {}
+    found = {}
+    for name in os.listdir(folder):
+        match = _STEP_FOLDER.fullmatch(name)
+        path = os.path.join(folder, name)
+        if match and os.path.isfile(os.path.join(path, DESCRIPTION_FILE)):
+            found[int(match.group(1))] = path
+    return found
+
+
+def read_description(path: str) -> dict[str, Any]:
+    file = os.path.join(path, DESCRIPTION_FILE)
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path} is not a checkpoint of this project: {DESCRIPTION_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint description {file} is corrupted: {err}") from None
+
+
+def check_model_args(description: dict[str, Any], args: Qwen3ModelArgs, path: str) -> None:
+    """The checkpoint must hold the model this run builds; else say which hyper-parameters differ."""
+    file = os.path.join(path, DESCRIPTION_FILE)
+    try:
+        saved = Qwen3ModelArgs(**description["model_args"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint description {file} has no valid model_args: {err}") from None
+    diffs = architecture_differences(saved, args)
+    if diffs:
+        listed = ", ".join(f"{name}={theirs!r} (this run: {ours!r})" for name, theirs, ours in diffs)
+        raise ValueError(f"checkpoint {path} holds another model (from another model.flavor?): {listed} according to {file}")
+
+
+def check_dcp_files(path: str) -> None:
+    """Fail with the file's name, on every rank alike, before a collective load could hang or
+    report a bare traceback: the metadata must parse and every shard it names must exist."""
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {path} has no DCP metadata file {os.path.join(path, '.metadata')}") from None
+    except Exception as err:  # unpickling garbage raises many exception types
+        raise ValueError(f"checkpoint metadata {os.path.join(path, '.metadata')} is corrupted: {err!r}") from None
+    files = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+    if missing:
+        raise ValueError(f"checkpoint {path} is incomplete: missing shard file(s) {', '.join(missing)}")
+
+
+def _unwrap(err: CheckpointException) -> str:
+    """The first rank's underlying error of a failed DCP call (its own message is a traceback dump)."""
+    for rank, failure in sorted(err.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(exc).__name__}: {exc}"
+    return str(err)
+
+
+class CheckpointManager:
+    """Saves at ``interval`` steps and the last step; on start-up resumes or loads initial weights.
+
+    Every rank calls every method (saves and loads are collective).
+    """
+
+    def __init__(
+        self,
+        config: Checkpoint,
+        dump_folder: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler,
+        dataloader,
+        train_state: TrainState,
+        model_args: Qwen3ModelArgs,
+        tokenizer_dir: str = "",
+    ):
+        self.config = config
+        self.folder = os.path.join(dump_folder, config.folder)
+        self.model = model
+        self.model_args = model_args
+        self.tokenizer_dir = tokenizer_dir
+        self.train_state = train_state
+        self.states = {
+            "model": _ModelState(model),
+            "optimizer": _OptimizerState(model, optimizer),
+            "lr_scheduler": lr_scheduler,
+            "dataloader": dataloader,
+            "train_state": train_state,
+            "rng": _RNGState(),
+        }
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._pending: Future | None = None
+        # Background saves run their collectives on a group of their own, so they never
+        # interleave with the training step's collectives on the default group.
+        self._async_group = None
+        if config.enable and config.async_mode == "async" and dist.is_initialized():
+            self._async_group = dist.new_group(backend="gloo")
+
+    # ------------------------------------------------------------------ loading
+
+    def load(self) -> bool:
+        """Resume from the latest complete checkpoint (or ``load_step``), else load the initial
+        weights if configured. True when the whole training state was restored."""
+        if self.config.enable:
+            steps = step_folders(self.folder)
+            resumable = {s: p for s, p in steps.items() if not read_description(p)["model_only"]}
+            if self.config.load_step != -1:
+                if self.config.load_step not in resumable:
+                    raise ValueError(
+                        f"checkpoint.load_step={self.config.load_step}: no complete training checkpoint "
+                        f"step-{self.config.load_step} in {self.folder} (found: {sorted(resumable) or 'none'})"
+                    )
+                self._load_dcp(resumable[self.config.load_step], model_only=False)
+                return True
+            if resumable:
+                self._load_dcp(resumable[max(resumable)], model_only=False)
+                return True
+        path = self.config.initial_load_path
+        if not path:
+            return False
+        if not os.path.isdir(path):
+            raise ValueError(f"checkpoint.initial_load_path={path!r} does not exist")
+        if self.config.initial_load_in_hf:
+            load_hf_weights(self.model, path)
+            logger.info("loaded Hugging Face weights from %s", path)
+            return False
+        description = read_description(path)
+        if description["format"] == "hf":
+            raise ValueError(
+                f"checkpoint.initial_load_path={path!r} is a Hugging Face export; set checkpoint.initial_load_in_hf = true"
+            )
+        model_only = self.config.initial_load_model_only or description["model_only"]
+        self._load_dcp(path, model_only=model_only)
+        return not model_only
+
+    def _load_dcp(self, path: str, model_only: bool) -> None:
+        description = read_description(path)
+        check_model_args(description, self.model_args, path)
+        check_dcp_files(path)
+        states = {"model": self.states["model"]} if model_only else self.states
+        try:
+            dcp.load(states, checkpoint_id=path, no_dist=not dist.is_initialized())
+        except CheckpointException as err:
+            raise ValueError(f"could not load checkpoint {path}: {_unwrap(err)}") from None
+        logger.info("loaded %s from %s", "model weights" if model_only else "the training state", path)
+
+    # ------------------------------------------------------------------ saving
+
+    def maybe_save(self, step: int, last: bool) -> None:
+        if not self.config.enable or not (last or step % self.config.interval == 0):
+            return
+        model_only = last and self.config.last_save_model_only
+        final = os.path.join(self.folder, f"step-{step}")
+        partial = final + ".partial"
+        self.wait()
+        if self.rank == 0:
+            # Leftovers of a crashed save (or of this step in an earlier attempt) are garbage.
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(self.folder, exist_ok=True)
+        self._barrier()
+        description = {
+            "step": step,
+            "model_only": model_only,
+            "format": "hf" if (model_only and self.config.last_save_in_hf) else "dcp",
+            "model_args": dataclasses.asdict(self.model_args),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        }
+        if description["format"] == "hf":
+            save_hf_checkpoint(
+                self.model, partial, _EXPORT_DTYPES[self.config.export_dtype], self.tokenizer_dir or None
+            )
+            self._commit(partial, final, description)
+            return
+        if model_only:
+            states = {"model": _ModelState(self.model, _EXPORT_DTYPES[self.config.export_dtype])}
+        else:
+            states = self.states
+        if self.config.async_mode == "async":
+            future = dcp.async_save(
+                states, checkpoint_id=partial, process_group=self._async_group, no_dist=not dist.is_initialized()
+            )
+
+            def commit_when_written(done: Future) -> None:
+                # A failed write stays .partial; wait() re-raises its error in the training thread.
+                if done.exception() is None:
+                    self._commit(partial, final, description)
+
+            future.add_done_callback(commit_when_written)
+            self._pending = future
+            return
+        dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+        self._commit(partial, final, description)
+
+    def _commit(self, partial: str, final: str, description: dict) -> None:
+        """Rank 0: mark complete (description file, then the atomic rename), then prune."""
+        if self.rank != 0:
+            return
+        with open(os.path.join(partial, DESCRIPTION_FILE), "w") as f:
+            json.dump(description, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)  # a re-run of a step replaces its checkpoint
+        os.replace(partial, final)
+        logger.info("saved checkpoint %s", final)
+        self._prune()
+
+    def _prune(self) -> None:
+        keep = self.config.keep_latest_k
+        if keep == 0:
+            return
+        for step, path in sorted(step_folders(self.folder).items())[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.info("deleted checkpoint %s (checkpoint.keep_latest_k=%d)", path, keep)
+
+    def wait(self) -> None:
+        """Block until a background save finished (and surface its error)."""
+        if self._pending is not None:
+            future, self._pending = self._pending, None
+            future.result()
+
+    def _barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()

@@ -1,0 +1,281 @@
+"""Hugging Face checkpoints of Qwen3 dense models: read ``config.json``, load safetensors weights
+into a (possibly FSDP2 / TP sharded) model in place, and export a model as an HF directory.
+
+Loading reads, on every rank, only the block of each tensor that the rank's shard holds
+(``safe_open(...).get_slice``), so no rank ever holds the full model. The files are read here
+rather than through ``torch.distributed.checkpoint.HuggingFaceStorageReader`` so that errors
+name the file and the key, dtypes are cast on the way in, tied checkpoints without
+``lm_head.weight`` load, and one code path serves torch 2.11 and 2.13.
+"""
+
+import contextlib
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rl.compat import local_shard_bounds
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.models.qwen3.state_dict_adapter import to_hf
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Copied into an export when present beside tokenizer.json, so the export is a complete HF model.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+# Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
+_TIED_HEAD = "lm_head.weight"
+
+
+def read_hf_model_args(path: str, attn_backend: str = "sdpa_dense") -> Qwen3ModelArgs:
+    """The model args of the HF checkpoint directory ``path`` (its ``config.json``)."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"no {CONFIG_FILE} in Hugging Face checkpoint directory {path!r}")
+    config = _read_json(config_path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}")
+    return Qwen3ModelArgs.from_hf_config(config, attn_backend, source=config_path)
+
+
+@torch.no_grad()
+def load_hf_weights(model: Qwen3Model, path: str) -> None:
+    """Copy the safetensors weights of the HF checkpoint directory ``path`` into ``model`` in place.
+
+    ``model`` is a materialized ``Qwen3Model`` (plain tensors, or DTensors after
+    ``parallelize_qwen3``). Not collective: each rank reads its own blocks independently. Values
+    are cast to each parameter's dtype. Every parameter must be in the files with its shape,
+    and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
+    """
+    files, listing = _tensor_files(path)
+    _reshard(model)
+    # named_parameters lists a tied head once, as the embedding: HF's tied checkpoints do the same.
+    params = to_hf(dict(model.named_parameters()))
+    _check_same_keys(params.keys(), files.keys(), model.args.tie_embeddings, listing)
+    with contextlib.ExitStack() as stack:
+        handles = {}  # file -> (open handle, the keys it holds)
+        for key, param in params.items():
+            file = files[key]
+            if file not in handles:
+                handle = stack.enter_context(_open_safetensors(file))
+                handles[file] = handle, set(handle.keys())
+            handle, keys_in_file = handles[file]
+            if key not in keys_in_file:
+                raise ValueError(f"the checkpoint index places tensor {key!r} in {file!r}, which does not contain it")
+            _load_block(param, handle, key, file)
+
+
+@torch.no_grad()
+def save_hf_checkpoint(
+    model: Qwen3Model,
+    path: str,
+    dtype: torch.dtype,
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Export ``model`` as an HF ``Qwen3ForCausalLM`` directory at ``path`` (which must not exist).
+
+    Collective: every rank calls it; parameters are gathered one shard file at a time and global
+    rank 0 writes, so it holds at most one file's worth of tensors. Weights are cast to
+    ``dtype``, written as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
+    with ``model.safetensors.index.json``, next to ``config.json`` and the tokenizer files of
+    ``tokenizer_dir``. Everything is written into a hidden folder beside ``path`` and renamed at
+    the end, so a crash never leaves a partial export at ``path``. Returns once the export is there.
+    """
+    _check_export_target(path, tokenizer_dir)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    _reshard(model)
+    tensors = to_hf(dict(model.named_parameters()))  # tied head omitted, as transformers saves it
+    shards = _plan_shards({key: t.numel() * dtype.itemsize for key, t in tensors.items()}, max_shard_bytes)
+    staging = _make_staging_dir(path) if is_writer else None
+    try:
+        for file_name, keys in shards.items():
+            gathered = _gather(tensors, keys, dtype, keep=staging is not None)
+            if staging is not None:
+                save_file(gathered, os.path.join(staging, file_name), metadata={"format": "pt"})
+        if staging is not None:
+            _write_metadata(staging, model.args, dtype, tensors, shards, tokenizer_dir)
+            os.rename(staging, path)
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if dist.is_initialized():
+        dist.barrier()  # callers on any rank may read the export once this returns
+
+
+def _reshard(model: Qwen3Model) -> None:
+    """Make every parameter the sharded one again.
+
+    FSDP2 leaves the root's parameters (embeddings, final norm, head) gathered after a forward
+    without backward; ``named_parameters`` then yields temporary full copies, which loading
+    would write into and lose at the next reshard.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _read_json(path: str) -> object:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path!r} is not valid JSON: {e}") from e
+
+
+def _tensor_files(path: str) -> tuple[dict[str, str], str]:
+    """{HF key: safetensors file holding it} of the checkpoint at ``path``, and the file that says so."""
+    index_path = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index_path):
+        return _sharded_tensor_files(path, index_path), index_path
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.isfile(single):
+        with _open_safetensors(single) as f:
+            return {key: single for key in f.keys()}, single
+    raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in Hugging Face checkpoint directory {path!r}")
+
+
+def _sharded_tensor_files(path: str, index_path: str) -> dict[str, str]:
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
+        raise ValueError(f"{index_path!r} has no \"weight_map\" object mapping tensor names to shard files")
+    for shard in sorted(set(weight_map.values())):
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise ValueError(f"{index_path!r} lists shard file {shard!r}, which is missing from {path!r}")
+    return {key: os.path.join(path, shard) for key, shard in weight_map.items()}
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except SafetensorError as e:
+        raise ValueError(f"{file!r} is not a readable safetensors file: {e}") from e
+    with handle as f:
+        yield f
+
+
+def _check_same_keys(expected, found, tie_embeddings: bool, listing: str) -> None:
+    missing = [key for key in expected if key not in found]
+    unexpected = [key for key in found if key not in expected and not (tie_embeddings and key == _TIED_HEAD)]
+    if missing:
+        raise ValueError(f"{listing!r} has no tensor {_names(missing)} that the model needs")
+    if unexpected:
+        raise ValueError(f"{listing!r} has tensor {_names(unexpected)} that the model does not have")
+
+
+def _names(keys: list[str], limit: int = 3) -> str:
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown if len(keys) <= limit else f"{shown} (and {len(keys) - limit} more)"
+
+
+def _load_block(param: torch.Tensor, handle, key: str, file: str) -> None:
+    """Copy this rank's block of tensor ``key`` from the open ``file`` into ``param``."""
+    tensor_slice = handle.get_slice(key)
+    file_shape = tuple(tensor_slice.get_shape())
+    if file_shape != tuple(param.shape):
+        raise ValueError(f"{file!r}: tensor {key!r} has shape {file_shape}, the model expects {tuple(param.shape)}")
+    local = param.to_local() if isinstance(param, DTensor) else param
+    if local.is_meta:
+        raise ValueError(f"cannot load {key!r} into a model on the meta device: materialize it (to_empty) first")
+    shape, offset = local_shard_bounds(param)
+    assert tuple(local.shape) == shape, (key, tuple(local.shape), shape)
+    if local.numel() > 0:  # uneven FSDP shards can leave a rank nothing of a small tensor
+        local.copy_(tensor_slice[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _check_export_target(path: str, tokenizer_dir: str | None) -> None:
+    # On every rank before any collective, so a bad argument fails all ranks alike.
+    if os.path.lexists(path):
+        raise ValueError(f"export path {path!r} already exists; Hugging Face exports are never overwritten")
+    if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
+        raise ValueError(f"tokenizer_dir {tokenizer_dir!r} has no tokenizer.json to copy into the export")
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, list[str]]:
+    """{file name: keys}, filled in order up to ``max_shard_bytes`` (a bigger tensor gets its own file)."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for key, size in sizes.items():
+        if groups[-1] and used + size > max_shard_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(key)
+        used += size
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": keys for i, keys in enumerate(groups, start=1)}
+
+
+def _make_staging_dir(path: str) -> str:
+    parent, name = os.path.split(os.path.abspath(path))
+    # Same parent, so the final rename stays on one filesystem (atomic); makedirs, unlike
+    # mkdtemp, creates it with the user's usual permissions, which the export keeps.
+    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    os.makedirs(staging)
+    return staging
+
+
+def _gather(tensors: dict[str, torch.Tensor], keys: list[str], dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """The full tensors ``keys`` as ``dtype`` on the CPU if ``keep``, else {}.
+
+    Collective: every rank takes part in each DTensor's all-gather; ranks that do not write
+    drop each full tensor at once instead of copying it to the host.
+    """
+    gathered = {}
+    for key in keys:
+        full = tensors[key].full_tensor() if isinstance(tensors[key], DTensor) else tensors[key]
+        if keep:
+            gathered[key] = full.detach().to(dtype).cpu().contiguous()
+    return gathered
+
+
+def _write_metadata(
+    staging: str,
+    args: Qwen3ModelArgs,
+    dtype: torch.dtype,
+    tensors: dict[str, torch.Tensor],
+    shards: dict[str, list[str]],
+    tokenizer_dir: str | None,
+) -> None:
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in tensors.values())},
+            "weight_map": {key: file_name for file_name, keys in shards.items() for key in keys},
+        }
+        _write_json(os.path.join(staging, INDEX_FILE), index)
+    _write_json(os.path.join(staging, CONFIG_FILE), args.to_hf_config(str(dtype).removeprefix("torch.")))
+    for file_name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        source = os.path.join(tokenizer_dir, file_name)
+        if os.path.isfile(source):
+            shutil.copyfile(source, os.path.join(staging, file_name))
+
+
+def _write_json(path: str, value: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, sort_keys=True)
+        f.write("\n")
