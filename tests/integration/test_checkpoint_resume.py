@@ -3,7 +3,7 @@
 One uninterrupted run of 6 steps saves at steps 3 and 6. Copies of its dump folder without
 step 6 stand for a run stopped after step 3; restarting ``train.py`` on them must continue
 from step 3: bit-identically on the same layout (also the data counters: no sample is
-repeated or skipped), within float tolerance on dp=4. A run killed while writing step 6's
+repeated or skipped), within float tolerance on dp=4 and on cp=2 x tp=2. A run killed while writing step 6's
 checkpoint must leave it ignored and resume from step 3.
 """
 
@@ -73,9 +73,13 @@ def test_resume_on_same_layout_is_bit_identical(uninterrupted, tmp_path):
     assert resumed["data/num_samples"][4] == full["data/num_samples"][3] + 8
 
 
-def test_resume_on_another_dp_degree_continues(uninterrupted, tmp_path):
-    dump = stopped_after_step_3(uninterrupted, tmp_path / "dp4")
-    out = check(run(dump, 4))
+@pytest.mark.parametrize("layout", [
+    [],  # dp=4 (FSDP over 4 ranks)
+    ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],  # dp=1, cp=2, tp=2
+], ids=["dp4", "cp2_tp2"])
+def test_resume_on_another_layout_continues(uninterrupted, tmp_path, layout):
+    dump = stopped_after_step_3(uninterrupted, tmp_path / "other_layout")
+    out = check(run(dump, 4, *layout))
     assert "resuming after step 3" in out
     full, resumed = read_scalars(str(uninterrupted / "tb")), read_scalars(str(dump / "tb"))
     for step in (4, 5, 6):

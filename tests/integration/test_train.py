@@ -107,9 +107,9 @@ def runs(tmp_path_factory) -> dict[int, Run]:
 
 def test_two_ranks_really_ran_data_parallel(runs):
     log = runs[2].proc.stdout + runs[2].proc.stderr
-    assert f"training {STEPS} steps on 2 rank(s)" in log, _output(runs[2].proc)
+    assert f"training steps 1..{STEPS} on 2 rank(s)" in log, _output(runs[2].proc)
     log = runs[1].proc.stdout + runs[1].proc.stderr
-    assert f"training {STEPS} steps on 1 rank(s)" in log, _output(runs[1].proc)
+    assert f"training steps 1..{STEPS} on 1 rank(s)" in log, _output(runs[1].proc)
 
 
 @pytest.mark.parametrize("tag", ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm"])
