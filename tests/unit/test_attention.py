@@ -211,3 +211,19 @@ def test_flex_matches_sdpa_dense_on_cp_shares_on_cuda(cp):
         torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
         for a, b in zip(flex_grads, dense_grads):
             torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_masks_are_made_additive_once_per_forward(backend):
+    """Every layer must share one float mask: SDPA keeps the one it gets for backward."""
+    seq_ids, positions = pack(LENGTHS)
+    perm = torch.randperm(seq_ids.numel(), generator=torch.Generator().manual_seed(3))  # forces masks
+    context = build_attention_context(backend, seq_ids[perm], positions[perm])
+    q, k, v = random_qkv(seq_ids.numel(), seed=4)
+    first = packed_attention(q, k, v, context)
+    built = dict(context.additive_masks.by_key)
+    second = packed_attention(q, k, v, context)  # the next layer
+    assert built and context.additive_masks.by_key == built
+    assert torch.equal(first, second)
+    for mask in built.values():
+        assert mask.dtype == q.dtype and set(mask.unique().tolist()) <= {0.0, float("-inf")}

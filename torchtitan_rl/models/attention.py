@@ -15,7 +15,7 @@ The mask data depends only on the micro-batch, so it is built once per forward i
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -54,6 +54,18 @@ class DocumentSlice:
     mask: torch.Tensor | None
 
 
+class AdditiveMasks:
+    """(id of a boolean mask, dtype) -> the mask as 0 / -inf.
+
+    A plain object on purpose: FSDP2 rebuilds dataclasses, dicts and tuples among a module's
+    inputs (casting their tensors) before every block, which would give each layer its own
+    copy of a dict, but it passes other objects through as they are.
+    """
+
+    def __init__(self):
+        self.by_key: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+
 @dataclass(frozen=True)
 class AttentionContext:
     """Per-forward mask data; exactly one of the backend-specific fields is set."""
@@ -68,6 +80,10 @@ class AttentionContext:
     # Context parallel: gathers this rank's ``[T, ...]`` keys/values into the ``[S, ...]`` keys
     # the mask describes (an autograd all-gather over the CP ranks); None when keys are local.
     gather_kv: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The boolean masks above in additive float form, made once per forward: given a boolean
+    # mask, SDPA makes a float copy in every call and keeps it for backward (one [T, S] tensor
+    # per layer).
+    additive_masks: "AdditiveMasks" = field(default_factory=lambda: AdditiveMasks(), compare=False, repr=False)
 
 
 def build_attention_context(
@@ -126,15 +142,15 @@ def packed_attention(
         # One collective for both: K and V share their token layout.
         k, v = context.gather_kv(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
     if context.backend == "sdpa_dense":
-        return _sdpa(q, k, v, mask=context.dense_mask, scale=scale)
+        return _sdpa(q, k, v, _additive_mask(context, context.dense_mask, q.dtype), scale)
     if context.backend == "sdpa_loop":
         outputs = [
             _sdpa(
                 q.index_select(0, doc.q_index),
                 k.index_select(0, doc.kv_index),
                 v.index_select(0, doc.kv_index),
-                mask=doc.mask,
-                scale=scale,
+                _additive_mask(context, doc.mask, q.dtype),
+                scale,
             )
             for doc in context.documents
         ]
@@ -210,6 +226,17 @@ def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions) -> BlockM
         KV_LEN=kv_seq_ids.numel(),
         device=q_seq_ids.device,
     )
+
+
+def _additive_mask(context: AttentionContext, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``mask`` as 0 / -inf in ``dtype``, shared by every layer of the forward."""
+    if mask is None:
+        return None
+    cache = context.additive_masks.by_key
+    key = (id(mask), dtype)
+    if key not in cache:
+        cache[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return cache[key]
 
 
 def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
