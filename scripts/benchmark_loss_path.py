@@ -81,15 +81,34 @@ def worker(tokens: int, dim: int, vocab: int, chunk: int) -> None:
         print("RESULT " + json.dumps({"peak_gib": peak / 2**30, "seconds": seconds}), flush=True)
 
 
+def launch(script: str, nproc: int, args: list[str], env: dict | None = None, retries: int = 1) -> dict:
+    """Run ``script --worker ARGS`` in ``nproc`` fresh torchrun processes; the dict its rank 0
+    printed on a ``RESULT {json}`` line, or ``{"error": the most telling line of output}``.
+
+    A failed launch is retried ``retries`` times (shared machines: a rendezvous port taken
+    by another job, a transient gloo error), with a warning and the output's tail on stderr.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.abspath(script), "--worker", *args]
+    for attempt in range(retries + 1):
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode == 0 and lines:
+            return json.loads(lines[0][len("RESULT "):])
+        output = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+        # torchrun's own summary ("ChildFailedError") names no cause; prefer the worker's error.
+        errors = [line for line in output if ("Error" in line or "error:" in line) and "ChildFailedError" not in line]
+        output = [line for line in output if line.strip("=")]
+        error = (errors or output or [f"exit status {proc.returncode}"])[-1][-300:]
+        if attempt < retries:
+            tail = "\n".join(output[-40:])
+            print(f"warning: {' '.join(cmd[3:])} failed ({error}); retrying. Output's tail:\n{tail}",
+                  file=sys.stderr, flush=True)
+    return {"error": error}
+
+
 def run_config(tokens: int, dim: int, vocab: int, chunk: int, tp: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp}",
-           os.path.abspath(__file__), "--worker", f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}",
-           f"--chunk={chunk}"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-300:].strip().splitlines()[-1]}
-    return json.loads(lines[0][len("RESULT "):])
+    return launch(__file__, tp, [f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}", f"--chunk={chunk}"])
 
 
 def main() -> None:
