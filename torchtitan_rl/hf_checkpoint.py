@@ -99,6 +99,10 @@ def save_hf_checkpoint(
     the end, so a crash never leaves a partial export at ``path``. Returns once the export is there.
     """
     _check_export_target(path, tokenizer_dir)
+    if dist.is_initialized():
+        # Rank 0 may finish the export before a slow rank checked the target: under HSDP each
+        # replica group gathers on its own, so nothing else holds rank 0 back.
+        dist.barrier()
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     _reshard(model)
     tensors = to_hf(dict(model.named_parameters()))  # tied head omitted, as transformers saves it
