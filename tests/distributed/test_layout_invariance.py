@@ -191,7 +191,11 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
         assert logged["tokens/total"] == sum(len(s) for s in lc.global_batch(variants[-1])), key
         assert logged["throughput(tps)"] == pytest.approx(loss_tokens / world, rel=1e-12), key
         checked += 1
-    assert checked >= len(layout_worker.CASES) - 1
+    checked_modes = {(key.split("/")[0], key.split("/")[1]) for key in results[world] if key.startswith("rep")}
+    for layout in layout_keys(results, world):
+        if not layout.endswith("_tied"):
+            assert {m for lay, m in checked_modes if lay == layout} >= set(REDUCTION_MODES), layout
+    assert checked >= len(layout_worker.COMPOSITE_CASES) - 1
 
 
 @pytest.mark.parametrize("world", WORLDS)
