@@ -313,7 +313,7 @@ class CheckpointManager:
         keep = self.config.keep_latest_k
         if keep == 0:
             return
-        for step, path in sorted(step_folders(self.folder).items())[:-keep]:
+        for _, path in sorted(step_folders(self.folder).items())[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
             logger.info("deleted checkpoint %s (checkpoint.keep_latest_k=%d)", path, keep)
 
