@@ -7,21 +7,21 @@ until ``optim_step`` (Tinker semantics).
 
 import contextlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_rl.data.packing import MicroBatch, build_microbatches, plan_microbatches
-from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.data.sample import Sample, find_input_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks, shard_microbatch
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs
-from torchtitan_rl.losses.reduction import global_counts, token_weights
-
-LOSS_FNS = ("cross_entropy",)
+from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
+from torchtitan_rl.losses.reduction import GROUPED_MODES, global_counts, token_weights
 
 
 @dataclass
@@ -29,8 +29,17 @@ class ForwardBackwardMetrics:
     """Device-resident results of one ``forward_backward``; reduced only when logged."""
 
     loss: torch.Tensor  # this rank's Σ w·ℓ (sum over the `loss` mesh = mini-batch loss)
-    max_seq_loss: torch.Tensor  # largest per-sequence mean loss among this rank's sequences
+    max_seq_loss: torch.Tensor  # largest per-sequence mean loss among this rank's sequences (-inf: none)
     counts: torch.Tensor  # global counts, see losses.reduction
+    terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
+
+
+@dataclass
+class ForwardResult:
+    """Per-token values of each sample's labels, in the samples' order."""
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None  # when asked for
 
 
 @dataclass
@@ -68,80 +77,121 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _microbatches(self, samples: list[Sample]) -> tuple[list[MicroBatch], list[MicroBatch]]:
-        """The rank's plan as whole micro-batches (for counts) and as this rank's shares.
+    def _microbatches(
+        self, samples: list[Sample], inputs: tuple[str, ...] = ()
+    ) -> tuple[list[MicroBatch], list[MicroBatch], int]:
+        """The rank's plan as whole micro-batches (for counts) and as this rank's shares, and
+        the number of prompt groups (0 unless ``inputs`` has ``group_id``).
 
         Every rank runs the same number of passes. Without context parallel the shares are
         the whole micro-batches; with it, each CP rank keeps its zigzag share of every one.
+        Samples are checked here, and the verdict agreed on by every rank in the same small
+        collective as the plan: a bad sample on one rank stops all of them with a ValueError
+        instead of leaving the others waiting in a collective.
         """
         dims = self.parallel_dims
-        plan = plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch)
-        num_microbatches = max(1, host_max(len(plan), dims.mesh("batch")))
+        problem, plan = find_input_problem(samples, inputs), []
+        if problem is None:
+            try:
+                plan = plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch)
+            except ValueError as err:
+                problem = str(err)
+        num_groups = 1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs and problem is None else 0
+        num_microbatches, num_groups, failed, max_samples = host_max(
+            [len(plan), num_groups, int(problem is not None), len(samples)], dims.mesh("batch")
+        )
+        if failed:
+            raise ValueError(problem or "another data-parallel rank refused its samples; its error names the cause")
+        if num_groups > max_samples * dims.batch_degree:
+            raise ValueError(
+                f"group_id {num_groups - 1} is out of range: group ids number the prompt groups of the "
+                f"mini-batch from 0, and it has at most {max_samples * dims.batch_degree} samples"
+            )
+        num_microbatches = max(1, num_microbatches)
         cp_mesh = dims.mesh("cp")
         if cp_mesh is None:
             # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks.
-            whole = build_microbatches(samples, plan, num_microbatches, pad_multiple=dims.tp)
-            return whole, whole
+            whole = build_microbatches(samples, plan, num_microbatches, dims.tp, inputs)
+            return whole, whole, num_groups
         # The CP split pads every sequence so that each rank's share divides by tp.
-        whole = build_microbatches(samples, plan, num_microbatches)
+        whole = build_microbatches(samples, plan, num_microbatches, 1, inputs)
         rank = cp_mesh.get_local_rank()
-        return whole, [shard_microbatch(mb, dims.cp, rank, multiple=dims.tp) for mb in whole]
+        return whole, [shard_microbatch(mb, dims.cp, rank, multiple=dims.tp) for mb in whole], num_groups
 
-    def _token_losses(self, mb: MicroBatch) -> torch.Tensor:
-        """Per-token cross-entropy ``[T]`` of a device-resident micro-batch."""
+    def _token_logprobs(
+        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident micro-batch."""
         with self._autocast():
             hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
-            logprobs, _ = token_logprobs(
+            return token_logprobs(
                 hidden,
                 self.model.output.weight,
                 mb.labels,
                 self.options.logits_chunk_size,
                 tp_mesh=self.parallel_dims.mesh("tp"),
                 loss_parallel=self.options.loss_parallel,
+                with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
             )
-        return -logprobs
 
-    def forward_backward(self, samples: list[Sample], loss_fn: str = "cross_entropy") -> ForwardBackwardMetrics:
-        if loss_fn not in LOSS_FNS:
-            raise ValueError(f"unknown loss_fn {loss_fn!r}; available: {', '.join(LOSS_FNS)}")
-        whole, microbatches = self._microbatches(samples)
+    def forward_backward(
+        self, samples: list[Sample], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
+    ) -> ForwardBackwardMetrics:
+        """Accumulate the gradient of ``Σ_t w_t ℓ_t`` over this rank's ``samples``.
+
+        ``loss_fn`` names an entry of ``losses.loss_fns.LOSS_FNS``; ``loss_fn_config`` sets
+        its options (clip bounds, ``kl_coef``, ``entropy_coef``, ...). The samples must carry
+        the inputs the loss reads (advantages, sampler / reference log-probs, and a
+        ``group_id`` under ``prompt_mean``).
+        """
+        loss = resolve_loss_fn(loss_fn, loss_fn_config)
+        inputs = loss.inputs + (("group_id",) if self.options.reduction in GROUPED_MODES else ())
+        whole, microbatches, num_groups = self._microbatches(samples, inputs)
         # Counts come from whole sequences: a CP share would miscount n_i and B.
-        counts = global_counts(whole, self.parallel_dims.mesh("batch"), self.device)
+        counts = global_counts(whole, self.parallel_dims.mesh("batch"), self.device, num_groups)
         cp_mesh = self.parallel_dims.mesh("cp")
         loss_total = torch.zeros((), device=self.device)
-        max_seq_loss = torch.zeros((), device=self.device)
+        max_seq_loss = torch.full((), -torch.inf, device=self.device)
+        metrics = LossMetrics()
         for i, mb in enumerate(microbatches):
             mb = mb.to(self.device)
             if isinstance(self.model, FSDPModule):
                 # Accumulate unsharded gradients locally; reduce-scatter their sum once.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            token_losses = self._token_losses(mb)
+            logprobs, entropy = self._token_logprobs(mb, loss.needs_entropy, loss.options["entropy_coef"] != 0)
+            terms = token_terms(loss, logprobs, entropy, mb)
             weights = token_weights(mb, self.options.reduction, counts, self.options.horizon)
-            loss = (token_losses * weights).sum()
-            loss.backward()
-            loss_total += loss.detach()
-            max_seq_loss = torch.maximum(max_seq_loss, _max_sequence_mean_loss(mb, token_losses.detach(), cp_mesh))
-        return ForwardBackwardMetrics(loss=loss_total, max_seq_loss=max_seq_loss, counts=counts)
+            value = weighted_loss(loss, terms, weights)
+            value.backward()
+            loss_total += value.detach()
+            metrics.add(terms, weights)
+            token_losses = per_token_loss(loss, terms).detach()
+            max_seq_loss = torch.maximum(max_seq_loss, _max_sequence_mean_loss(mb, token_losses, cp_mesh))
+        return ForwardBackwardMetrics(loss=loss_total, max_seq_loss=max_seq_loss, counts=counts, terms=metrics)
 
     @torch.no_grad()
-    def forward(self, samples: list[Sample]) -> list[torch.Tensor]:
-        """Per-token log-probabilities of each sample's labels, in the samples' order."""
+    def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
+        """Per-token log-probabilities of each sample's labels (and entropies), in the samples' order."""
         logprobs: list[torch.Tensor] = []
+        entropies: list[torch.Tensor] = []
         cp_mesh = self.parallel_dims.mesh("cp")
         for mb in self._microbatches(samples)[1]:
-            per_token = -self._token_losses(mb.to(self.device))
+            per_token = torch.stack([v for v in self._token_logprobs(mb.to(self.device), with_entropy) if v is not None], 1)
             if mb.is_padding:
                 continue
             if cp_mesh is not None:
                 # Per-token scalars only (never logits), and only outside training.
                 per_token = gather_from_cp_ranks(per_token, mb.cp_layout, cp_mesh)
-            logprobs.extend(per_token[: sum(mb.seq_lens)].split(mb.seq_lens))
+            per_seq = per_token[: sum(mb.seq_lens)].split(mb.seq_lens)
+            logprobs.extend(values[:, 0] for values in per_seq)
+            entropies.extend(values[:, -1] for values in per_seq)
         if isinstance(self.model, FSDPModule):
             # The root keeps its parameters gathered after forward for the backward that
             # usually follows; with no backward, release them so an optimizer step cannot
             # leave a stale gathered copy behind.
             self.model.reshard()
-        return logprobs
+        return ForwardResult(logprobs, entropies if with_entropy else None)
 
     def optim_step(self) -> dict[str, torch.Tensor | float]:
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm)
@@ -153,7 +203,8 @@ class Engine:
 
 
 def _max_sequence_mean_loss(mb: MicroBatch, token_losses: torch.Tensor, cp_mesh) -> torch.Tensor:
-    """Largest mean loss over the loss tokens of one sequence, among this micro-batch's.
+    """Largest mean loss over the loss tokens of one sequence, among this micro-batch's
+    sequences with loss tokens (-inf if none has any; RL losses can be negative).
 
     Under context parallel each rank holds part of every sequence: the per-sequence sums
     and counts are summed over ``cp`` before dividing.
@@ -163,4 +214,5 @@ def _max_sequence_mean_loss(mb: MicroBatch, token_losses: torch.Tensor, cp_mesh)
     per_seq[0].index_add_(0, mb.seq_ids, token_losses * mask)
     per_seq[1].index_add_(0, mb.seq_ids, mask)
     per_seq_sum, per_seq_count = all_reduce(per_seq, "sum", cp_mesh)
-    return (per_seq_sum / per_seq_count.clamp(min=1)).max()
+    means = per_seq_sum / per_seq_count.clamp(min=1)
+    return torch.where(per_seq_count > 0, means, -torch.inf).max()

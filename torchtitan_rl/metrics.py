@@ -13,6 +13,9 @@ from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
 
 logger = logging.getLogger(__name__)
 
+# The rl/* values the stdout line shows (all of them go to TensorBoard).
+_STDOUT_RL = ("pg_loss", "kl", "entropy", "clipfrac", "logprob_diff_max")
+
 # Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
 
@@ -70,7 +73,10 @@ class MetricsLogger:
             "tokens/loss_tokens": fb.counts[NUM_LOSS_TOKENS],
             "tokens/total": fb.counts[NUM_TOKENS],
         }
+        reduced.update(fb.terms.reduce(loss_mesh))
         values = {tag: float(v) for tag, v in reduced.items()}
+        if values["loss_metrics/global_max_loss"] == -float("inf"):
+            values["loss_metrics/global_max_loss"] = 0.0  # no sequence has a loss token
         values["lr"] = float(optim["lr"])
         num_tokens = float(window_tokens)
         values["throughput(tps)"] = num_tokens / window_seconds / world_size
@@ -87,8 +93,9 @@ class MetricsLogger:
             values[f"data/{key}"] = float(count)
 
         if self.rank == 0:
+            rl = "".join(f"  {name}: {values['rl/' + name]:.4g}" for name in _STDOUT_RL if "rl/" + name in values)
             logger.info(
-                "step: %d  loss: %.5f  max_loss: %.4f  grad_norm: %.4f  lr: %.3e  tps: %.0f  memory: %.2fGiB%s",
+                "step: %d  loss: %.5f  max_loss: %.4f  grad_norm: %.4f  lr: %.3e  tps: %.0f  memory: %.2fGiB%s%s",
                 step,
                 values["loss_metrics/global_avg_loss"],
                 values["loss_metrics/global_max_loss"],
@@ -97,6 +104,7 @@ class MetricsLogger:
                 values["throughput(tps)"],
                 values[memory_tag],
                 f"  mfu: {values['mfu(%)']:.2f}%" if "mfu(%)" in values else "",
+                rl,
             )
         if self.writer is not None:
             for tag, value in values.items():

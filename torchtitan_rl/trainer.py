@@ -21,7 +21,8 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
-from torchtitan_rl.losses.reduction import NUM_TOKENS, SUM_SQUARED_SEQ_LENS
+from torchtitan_rl.losses.loss_fns import LossFn, loss_fn_from_config
+from torchtitan_rl.losses.reduction import GROUPED_MODES, NUM_TOKENS, SUM_SQUARED_SEQ_LENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, qwen3_flavors
@@ -104,9 +105,25 @@ def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: tor
     return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
 
 
+def sft_loss_fn(job_config: JobConfig) -> LossFn:
+    """The ``[loss]`` of an SFT run; SFT rows carry no advantages, log-probs or prompt groups."""
+    loss = job_config.loss
+    if loss.loss_fn != "cross_entropy":
+        raise ValueError(
+            f"loss.loss_fn: {loss.loss_fn!r} needs advantages and sampler log-probs, which SFT data "
+            "does not have; SFT trains with 'cross_entropy'"
+        )
+    if loss.kl_coef > 0:
+        raise ValueError("loss.kl_coef: the KL penalty needs reference log-probs, which SFT data does not have")
+    if loss.reduction in GROUPED_MODES:
+        raise ValueError(f"loss.reduction: {loss.reduction!r} weighs prompt groups, which SFT data does not have")
+    return loss_fn_from_config(loss)
+
+
 class SFTTrainer:
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
+        self.loss_fn = sft_loss_fn(job_config)
         self.rank, world_size, self.device = init_distributed(job_config.comm.init_timeout_seconds)
         self.parallel_dims = build_parallel_dims(job_config, world_size)
         torch.manual_seed(job_config.debug.seed)
@@ -168,7 +185,7 @@ class SFTTrainer:
         for step in range(first, steps + 1):
             samples = next(data_iter)
             with self.memory_profiler.step(step):
-                fb = self.engine.forward_backward(samples, "cross_entropy")
+                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options)
                 optim = self.engine.optim_step()
             window_tokens = window_tokens + fb.counts[NUM_TOKENS]
             window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]

@@ -41,7 +41,10 @@ MIDDLE_LOSS, MIDDLE_LOSS_POSITIONS = 5, range(6, 9)
 
 
 def global_batch(variant: str) -> list[Sample]:
-    """``uneven``: the batch above; ``other``: different data; ``no_loss``: zero loss tokens."""
+    """``uneven``: the batch above; ``other``: different data; ``no_loss``: zero loss tokens;
+    ``rl``: ``uneven`` with RL inputs (``rl_batch``)."""
+    if variant == "rl":
+        return rl_batch()
     gen = torch.Generator().manual_seed({"uneven": 0, "other": 1, "no_loss": 2}[variant])
     samples = []
     for i, n in enumerate(_LENGTHS):
@@ -54,6 +57,41 @@ def global_batch(variant: str) -> list[Sample]:
         if variant == "uneven" and i == MIDDLE_LOSS:
             mask = torch.isin(torch.arange(n), torch.tensor(MIDDLE_LOSS_POSITIONS))
         samples.append(Sample(input_ids=ids, labels=labels, loss_mask=mask))
+    return samples
+
+
+# RL: the "uneven" batch with per-token advantages, sampler and reference log-probs near the
+# initial model's (≈ -log VOCAB, so ratios fall on both sides of every clip bound), and prompt
+# groups of different sizes. Group 1 spans samples 1-4: split over the ranks of dp = 2 and 4,
+# with loss tokens on both sides; group 2 (samples 5, 6) is split by dp = 4. Sample 6 has
+# zero advantages.
+RL_GROUPS = (0, 1, 1, 1, 1, 2, 2, 3)
+RL_ZERO_ADVANTAGE = 6
+RL_LOSS_FNS = {
+    "ppo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 1.5, "kl_coef": 0.5, "kl_estimator": "k3",
+            "entropy_coef": 0.5},
+    "cispo": {"clip_low": 0.3, "clip_high": 0.2, "kl_coef": 0.5, "kl_estimator": "low_var_kl", "entropy_coef": 0.5},
+    "importance_sampling": {"kl_coef": 0.5, "kl_estimator": "k2", "entropy_coef": 0.5},
+}
+RL_BUDGETS = (0, 24)
+# (dp_replicate, dp_shard, cp, tp) layouts that run every RL loss, mode and budget.
+RL_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2))
+
+
+def rl_batch() -> list[Sample]:
+    gen = torch.Generator().manual_seed(4)
+    samples = []
+    for i, sample in enumerate(global_batch("uneven")):
+        n = len(sample)
+        advantages = torch.randn(n, generator=gen)
+        if i == RL_ZERO_ADVANTAGE:
+            advantages.zero_()
+        base = -torch.log(torch.tensor(float(VOCAB)))
+        sample.advantages = advantages
+        sample.sampler_logprobs = base + 0.3 * torch.randn(n, generator=gen)
+        sample.ref_logprobs = base + 0.3 * torch.randn(n, generator=gen)
+        sample.group_id = RL_GROUPS[i]
+        samples.append(sample)
     return samples
 
 

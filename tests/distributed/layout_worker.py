@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
 from torchtitan_rl.compat import all_gather_autograd
+from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import (
     ZigzagLayout,
@@ -49,14 +50,15 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
     if not tie:
-        # Log-probs of this rank's share (rank 0's is saved), before any step moves the weights.
+        # Log-probs and entropies of this rank's share (rank 0's is saved), before any step moves the weights.
         engine = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", lc.HORIZON, 24, 16, 0.0))
-        results[f"{prefix}/forward"] = engine.forward(share(lc.global_batch("uneven"), dims))
-    for mode, budget, variants, step in cases:
+        out = engine.forward(share(lc.global_batch("uneven"), dims), with_entropy=True)
+        results[f"{prefix}/forward"] = {"logprobs": out.logprobs, "entropies": out.entropies}
+    for loss_fn, mode, budget, variants, step in cases:
         options = EngineOptions(mode, lc.HORIZON, budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
         engine = Engine(model, optimizer, scheduler, dims, device, options)
         for variant in variants:
-            fb = engine.forward_backward(share(lc.global_batch(variant), dims))
+            fb = engine.forward_backward(share(lc.global_batch(variant), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
         grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
         if step:
             optim = engine.optim_step()
@@ -68,19 +70,31 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
         entry = {"grads": grads, "logged": logged}
         if step:
             entry["params"] = {fqn: full(p) for fqn, p in model.named_parameters()}
-        results[f"{prefix}/{mode}/budget{budget}/{'+'.join(variants)}" + ("/step" if step else "")] = entry
+        results[case_key(prefix, loss_fn, mode, budget, variants, step)] = entry
 
 
-# (reduction mode, micro-batch budget, data passed to successive forward_backward calls, step?)
-CASES = [(mode, budget, ("uneven",), False) for mode in REDUCTION_MODES for budget in lc.BUDGETS] + [
-    ("token_mean", 24, ("uneven", "other"), False),  # two calls accumulate (Tinker)
-    ("token_mean", 24, ("no_loss",), False),  # zero loss tokens: zero gradient, no NaN
-    ("token_mean", 24, ("uneven",), True),  # clipped AdamW step; must stay last
+def case_key(prefix: str, loss_fn: str, mode: str, budget: int, variants: tuple, step: bool = False) -> str:
+    head = prefix if loss_fn == "cross_entropy" else f"{prefix}/rl/{loss_fn}"
+    return f"{head}/{mode}/budget{budget}/{'+'.join(variants)}" + ("/step" if step else "")
+
+
+# (loss_fn, reduction mode, micro-batch budget, data passed to successive forward_backward
+# calls, step?). prompt_mean needs prompt groups, which only the RL data has.
+SFT_MODES = [mode for mode in REDUCTION_MODES if mode != "prompt_mean"]
+CASES = [("cross_entropy", mode, budget, ("uneven",), False) for mode in SFT_MODES for budget in lc.BUDGETS] + [
+    ("cross_entropy", "token_mean", 24, ("uneven", "other"), False),  # two calls accumulate (Tinker)
+    ("cross_entropy", "token_mean", 24, ("no_loss",), False),  # zero loss tokens: zero gradient, no NaN
+    ("cross_entropy", "token_mean", 24, ("uneven",), True),  # clipped AdamW step; must stay last
 ]
-TIED_CASES = [("token_mean", 24, ("uneven",), False)]
+TIED_CASES = [("cross_entropy", "token_mean", 24, ("uneven",), False)]
 # Layouts that combine several parallel dims: every mode once, at the budget that gives
 # several micro-batches per rank (CI time on 2 cores; single-dim layouts run every budget).
-COMPOSITE_CASES = [case for case in CASES if case[1] == 24]
+COMPOSITE_CASES = [case for case in CASES if case[2] == 24]
+# Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS.
+RL_CASES = [
+    (loss_fn, mode, budget, ("rl",), False)
+    for loss_fn in lc.RL_LOSS_FNS for mode in REDUCTION_MODES for budget in lc.RL_BUDGETS
+]
 
 
 def run_logprobs(tp_mesh, results: dict) -> None:
@@ -118,19 +132,58 @@ def run_cp_attention(cp_mesh, results: dict) -> None:
         results[f"cp{cp}/attention/{backend}"] = entry
 
 
+def run_bad_inputs(dims: ParallelDims, results: dict) -> None:
+    """Samples only one DP rank finds wrong: every rank must raise (no hang), naming the cause.
+
+    Records each rank's message per case (all-gathered), then runs one good step to show the
+    process group is still in step.
+    """
+    device = torch.device("cpu")
+    model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32)
+    engine = Engine(model, None, None, dims, device, EngineOptions("prompt_mean", lc.HORIZON, 24, 16, 0.0))
+    rank = dims.batch_rank()
+    cases = {
+        "no_advantages": lambda s: setattr(s[0], "advantages", None),
+        "nan_sampler_logprobs": lambda s: s[1].sampler_logprobs.__setitem__(2, float("nan")),
+        "group_id_out_of_range": lambda s: setattr(s[0], "group_id", 10**6),
+        "too_long_for_budget": lambda s: s.append(Sample(
+            input_ids=torch.zeros(30, dtype=torch.long), labels=torch.zeros(30, dtype=torch.long),
+            loss_mask=torch.ones(30, dtype=torch.bool), advantages=torch.zeros(30), sampler_logprobs=torch.zeros(30),
+            group_id=0)),
+    }
+    for name, spoil in cases.items():
+        samples = share(lc.global_batch("rl"), dims)
+        if rank == 1:
+            spoil(samples)
+        try:
+            engine.forward_backward(samples, "ppo")
+            message = None
+        except ValueError as err:
+            message = str(err)
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+        results[f"bad_input/{name}"] = messages
+    engine.forward_backward(share(lc.global_batch("rl"), dims), "ppo", lc.RL_LOSS_FNS["ppo"])
+    results["bad_input/then_good_step_grad"] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+
+
 def run_all_layouts(world_size: int) -> dict:
     results: dict = {}
     for dp_replicate, dp_shard, cp, tp in lc.layouts(world_size):
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
         dims.build_meshes("cpu")
         composite = sum(d > 1 for d in (dp_replicate, dp_shard, cp, tp)) > 1
-        run_layout(dims, False, results, COMPOSITE_CASES if composite else CASES)
+        rl_cases = RL_CASES if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
+        # RL cases first: the last SFT case steps the optimizer.
+        run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if composite else CASES))
         if dp_replicate == 1:
             run_layout(dims, True, results, TIED_CASES)
         if 1 < tp == world_size:
             run_logprobs(dims.mesh("tp"), results)
         if 1 < cp == world_size:
             run_cp_attention(dims.mesh("cp"), results)
+        if dp_shard == world_size == 2:
+            run_bad_inputs(dims, results)
     return results
 
 

@@ -1,13 +1,16 @@
 """The promise: gradient, grad norm and logged loss do not depend on the parallel layout.
 
-One torchrun launch per world size (2 and 4 gloo ranks) runs every layout, reduction mode
+One torchrun launch per world size (2, 4 and 8 gloo ranks) runs every layout, reduction mode
 and micro-batch budget (see layout_worker.py); dp=1 runs in this process. Each result is
 compared with a single-process, full-batch reference that runs every sequence alone
-(no packing) and applies the reduction formulas of DESIGN §2 written out by hand.
+(no packing) and applies the reduction formulas of DESIGN §2 written out by hand; for the
+RL losses (with KL and entropy on) also the loss formulas and every logged rl/* metric.
 """
 
+import dataclasses
 import functools
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -18,6 +21,8 @@ import torch.nn.functional as F
 
 import layout_cases as lc
 import layout_worker
+import torchtitan_rl.engine as engine_module
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.losses.reduction import REDUCTION_MODES
 from reference import launch_env, minibatch_loss
@@ -96,10 +101,11 @@ def greedy_plan(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def reduced_loss(seqs, mode: str, budget: int, dp: int) -> torch.Tensor:
+    """The mode's mini-batch loss of per-sequence (token losses, mask) pairs (prompt groups: lc.RL_GROUPS)."""
     n = [m.sum() for _, m in seqs]
     sums = [(l * m).sum() for l, m in seqs]
     if mode != "token_mean_legacy":
-        return minibatch_loss(sums, n, mode, lc.HORIZON)
+        return minibatch_loss(sums, n, mode, lc.HORIZON, list(lc.RL_GROUPS))
     per_rank = lc.GLOBAL_BATCH_SIZE // dp
     means = []
     for r in range(dp):
@@ -174,7 +180,7 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
     checked = 0
     for key, entry in results[world].items():
         parts = key.split("/")
-        if not key.startswith("rep") or parts[-1] in ("init", "step", "forward"):
+        if not key.startswith("rep") or parts[-1] in ("init", "step", "forward") or parts[1] == "rl":
             continue
         layout, mode, budget, variants = parts[0], parts[1], int(parts[2][len("budget"):]), tuple(parts[3].split("+"))
         dp = batch_degree(layout)
@@ -194,22 +200,23 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
     checked_modes = {(key.split("/")[0], key.split("/")[1]) for key in results[world] if key.startswith("rep")}
     for layout in layout_keys(results, world):
         if not layout.endswith("_tied"):
-            assert {m for lay, m in checked_modes if lay == layout} >= set(REDUCTION_MODES), layout
+            assert {m for lay, m in checked_modes if lay == layout} >= set(layout_worker.SFT_MODES), layout
     assert checked >= len(layout_worker.COMPOSITE_CASES) - 1
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_forward_logprobs_equal_per_sequence_reference(results, world):
-    """Engine.forward: every sample's log-probs, in order, whatever splits its tokens."""
+def test_forward_logprobs_and_entropies_equal_per_sequence_reference(results, world):
+    """Engine.forward: every sample's log-probs and entropies, in order, whatever splits its tokens."""
     model = reference_model(False)
     for layout in layout_keys(results, world):
         if layout.endswith("_tied"):
             continue
         got = results[world][f"{layout}/forward"]
-        expected = [-losses for losses, _ in per_sequence_losses(model, "uneven")][: len(got)]
-        assert len(got) == lc.GLOBAL_BATCH_SIZE // batch_degree(layout), layout
-        for g, e in zip(got, expected):
-            assert_rel_close(g, e.detach(), f"{layout} forward")
+        expected = [per_sequence_values(model, s) for s in lc.global_batch("uneven")][: len(got["logprobs"])]
+        assert len(got["logprobs"]) == len(got["entropies"]) == lc.GLOBAL_BATCH_SIZE // batch_degree(layout), layout
+        for logprobs, entropies, e in zip(got["logprobs"], got["entropies"], expected):
+            assert_rel_close(logprobs, e["logprobs"].detach(), f"{layout} forward log-probs")
+            assert_rel_close(entropies, e["entropy"].detach(), f"{layout} forward entropies")
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -253,6 +260,188 @@ def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
     assert legacy_one_mb == pytest.approx(exact, rel=RTOL)  # one micro-batch on one rank: same thing
 
 
+# ---------------------------------------------------------------- RL losses, KL and entropy on
+
+
+def per_sequence_values(model: Qwen3Model, sample) -> dict:
+    """Log-probs of the labels and entropies of one sequence, run alone with full logits."""
+    n = len(sample)
+    log_softmax = model.output(model(sample.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).log_softmax(-1)
+    return {
+        "logprobs": log_softmax.gather(1, sample.labels[:, None])[:, 0],
+        "entropy": -(log_softmax.exp() * log_softmax).sum(-1),
+    }
+
+
+def rl_token_values(model: Qwen3Model, loss_fn: str) -> list[dict]:
+    """Per sequence, the per-token loss, its terms and the statistics, from the formulas of the issue."""
+    cfg = lc.RL_LOSS_FNS[loss_fn]
+    out = []
+    for sample in lc.rl_batch():
+        v = per_sequence_values(model, sample)
+        logp, adv = v["logprobs"], sample.advantages
+        ratio = torch.exp(logp - sample.sampler_logprobs)
+        low, high = 1 - cfg.get("clip_low", 0.0), 1 + cfg.get("clip_high", 0.0)
+        stats = {}
+        if loss_fn == "importance_sampling":
+            pg = -ratio * adv
+        elif loss_fn == "ppo":
+            # The pessimistic bound written per sign of A: min(r, 1+e) for A >= 0, max(r, 1-e) for A < 0.
+            pg = torch.where(adv >= 0, -ratio.clamp(max=high) * adv, -ratio.clamp(min=low) * adv)
+            c = cfg["dual_clip_c"]
+            pg = torch.where(adv < 0, torch.minimum(pg, -c * adv), pg)
+            stats["clipfrac_low"] = (adv < 0) & (ratio < low)
+            stats["clipfrac_high"] = (adv > 0) & (ratio > high)
+            stats["clipfrac_dual"] = (adv < 0) & (ratio > c)
+            stats["clipfrac"] = stats["clipfrac_low"] | stats["clipfrac_high"] | stats["clipfrac_dual"]
+        else:
+            assert loss_fn == "cispo"
+            pg = -ratio.detach().clamp(low, high) * adv * logp
+            stats["clipfrac_low"], stats["clipfrac_high"] = ratio < low, ratio > high
+            stats["clipfrac"] = stats["clipfrac_low"] | stats["clipfrac_high"]
+        delta = logp - sample.ref_logprobs
+        k3 = torch.exp(-delta) - 1 + delta
+        kl = {"k2": delta**2 / 2, "k3": k3, "low_var_kl": k3.clamp(max=10.0)}[cfg["kl_estimator"]]
+        stats.update(ratio=ratio.detach(), logprob_diff=(logp - sample.sampler_logprobs).abs().detach(), advantage=adv)
+        loss = pg + cfg["kl_coef"] * kl - cfg["entropy_coef"] * v["entropy"]
+        out.append({"loss": loss, "pg_loss": pg, "kl": kl, "entropy": v["entropy"], "mask": sample.loss_mask.float(),
+                    "stats": stats})
+    return out
+
+
+@dataclasses.dataclass
+class RLReference:
+    grads: dict
+    logged: dict  # every tag the run must log, rl/* included, and its value
+
+
+def rl_reference(loss_fn: str, mode: str, budget: int, dp: int) -> RLReference:
+    if mode != "token_mean_legacy":
+        budget, dp = 0, 1
+    return _rl_reference(loss_fn, mode, budget, dp)
+
+
+@functools.cache
+def _rl_reference(loss_fn: str, mode: str, budget: int, dp: int) -> RLReference:
+    model = reference_model(False)
+    seqs = rl_token_values(model, loss_fn)
+    loss = reduced_loss([(s["loss"], s["mask"]) for s in seqs], mode, budget, dp)
+    loss.backward()
+    grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
+    masks = torch.cat([s["mask"] for s in seqs]).bool()
+    logged = {
+        "loss_metrics/global_avg_loss": float(loss.detach()),
+        "loss_metrics/global_max_loss": max(float((s["loss"] * s["mask"]).sum() / s["mask"].sum()) for s in seqs if s["mask"].sum() > 0),
+        "grad_norm": grad_norm(grads),
+    }
+    for term in ("pg_loss", "kl", "entropy"):
+        logged[f"rl/{term}"] = float(reduced_loss([(s[term].detach(), s["mask"]) for s in seqs], mode, budget, dp))
+    for name in seqs[0]["stats"]:
+        values = torch.cat([s["stats"][name] for s in seqs]).double()[masks]
+        if name.startswith("clipfrac"):
+            logged[f"rl/{name}"] = float(values.mean())
+            continue
+        logged[f"rl/{name}_mean"] = float(values.mean())
+        if name != "advantage":
+            logged[f"rl/{name}_max"] = float(values.max())
+    logged["rl/ratio_min"] = float(torch.cat([s["stats"]["ratio"] for s in seqs])[masks].min())
+    return RLReference(grads, logged)
+
+
+def check_rl_entry(key: str, entry: dict) -> None:
+    """One RL case of one layout against the reference: gradients and every logged number."""
+    layout, _, loss_fn, mode, budget = key.split("/")[:5]
+    ref = rl_reference(loss_fn, mode, int(budget[len("budget"):]), batch_degree(layout))
+    for fqn, g in ref.grads.items():
+        assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}")
+    logged = entry["logged"]
+    assert {t for t in logged if t.startswith("rl/")} == {t for t in ref.logged if t.startswith("rl/")}, key
+    for tag, value in ref.logged.items():
+        assert logged[tag] == pytest.approx(value, rel=RTOL, abs=1e-9), (key, tag)
+
+
+def rl_layout_name(layout: tuple) -> str:
+    return "rep{}_shard{}_cp{}_tp{}".format(*layout)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_rl_losses_with_kl_and_entropy_equal_full_batch_reference(results, world):
+    checked = set()
+    for key, entry in results[world].items():
+        if key.split("/")[1:2] == ["rl"]:
+            check_rl_entry(key, entry)
+            layout, _, loss_fn, mode, budget = key.split("/")[:5]
+            checked.add((layout, loss_fn, mode, int(budget[len("budget"):])))
+    expected = {
+        (rl_layout_name(layout), loss_fn, mode, budget)
+        for layout in lc.RL_LAYOUTS if layout in lc.layouts(world)
+        for loss_fn in lc.RL_LOSS_FNS for mode in REDUCTION_MODES for budget in lc.RL_BUDGETS
+    }
+    assert checked == expected
+
+
+def test_rl_data_exercises_every_clip_and_term():
+    """The premise of the RL cases: clips bind on both sides (and the dual clip), groups differ in size."""
+    for loss_fn in lc.RL_LOSS_FNS:
+        logged = rl_reference(loss_fn, "token_mean", 0, 1).logged
+        for tag, value in logged.items():
+            if tag.startswith("rl/clipfrac"):
+                assert 0.02 < value < 0.9, (loss_fn, tag, value)
+        assert logged["rl/ratio_min"] < 0.7 and logged["rl/ratio_max"] > 1.5, loss_fn
+        assert logged["rl/kl"] > 0.01 and logged["rl/entropy"] > 1.0
+    sizes = [lc.RL_GROUPS.count(g) for g in set(lc.RL_GROUPS)]
+    assert len(set(sizes)) > 1
+    # prompt_mean is a different mode on this data, not sequence_mean in disguise.
+    a = rl_reference("ppo", "prompt_mean", 0, 1).logged["loss_metrics/global_avg_loss"]
+    b = rl_reference("ppo", "sequence_mean", 0, 1).logged["loss_metrics/global_avg_loss"]
+    assert abs(a - b) > 1e-3 * abs(b)
+
+
+def test_kl_normalized_per_microbatch_fails_the_layout_check(monkeypatch):
+    """Mutation: SkyRL's convention, KL as a token mean inside each micro-batch while the policy
+    term keeps the mode's weights, must fail the RL check (here on one rank with several
+    micro-batches, where the true weights differ from per-micro-batch ones)."""
+    real = engine_module.weighted_loss
+
+    def kl_per_microbatch(loss, terms, weights):
+        mask = terms.mask.float()
+        kl_mean = (terms.kl * mask).sum() / mask.sum().clamp(min=1)
+        return real(loss, dataclasses.replace(terms, kl=None), weights) + loss.options["kl_coef"] * kl_mean
+
+    dims = ParallelDims(1, 1, 1, 1, world_size=1)
+    dims.build_meshes("cpu")
+    case = ("ppo", "token_mean", 24, ("rl",), False)
+    honest, mutated = {}, {}
+    layout_worker.run_layout(dims, False, honest, [case])
+    monkeypatch.setattr(engine_module, "weighted_loss", kl_per_microbatch)
+    layout_worker.run_layout(dims, False, mutated, [case])
+    key = layout_worker.case_key("rep1_shard1_cp1_tp1", *case)
+    check_rl_entry(key, honest[key])
+    with pytest.raises(AssertionError):
+        check_rl_entry(key, mutated[key])
+
+
+def test_a_bad_sample_on_one_rank_stops_every_rank_naming_the_cause(results):
+    """dp = 2, rank 1 alone holds the bad sample: both ranks raise (none waits in a collective),
+    rank 1 names the cause, and the next step runs normally."""
+    causes = {
+        "no_advantages": r"sample 0 of this rank's 4 has no advantages",
+        "nan_sampler_logprobs": r"sample 1 of this rank's 4: sampler_logprobs\[2\] = nan is not finite",
+        "group_id_out_of_range": r"group_id 1000000 is out of range: .* at most 8 samples",
+        "too_long_for_budget": r"a sample of 30 tokens exceeds training.max_tokens_per_microbatch=24",
+    }
+    for case, cause in causes.items():
+        rank0, rank1 = results[2][f"bad_input/{case}"]
+        assert re.search(cause, rank1), (case, rank1)
+        if case == "group_id_out_of_range":
+            assert rank0 == rank1  # found after the ranks agreed on the largest group id
+        else:
+            assert "another data-parallel rank refused its samples" in rank0, (case, rank0)
+    got = results[2]["bad_input/then_good_step_grad"]
+    for fqn, g in rl_reference("ppo", "prompt_mean", 0, 1).grads.items():
+        assert_rel_close(got[fqn], g, f"good step after bad inputs: {fqn}")
+
+
 def test_every_layout_was_checked(results):
     expected = {f"rep{r}_shard{s}_cp{c}_tp{t}" for w in WORLDS for r, s, c, t in lc.layouts(w)}
     assert {layout for w in WORLDS for layout in layout_keys(results, w) if not layout.endswith("_tied")} == expected
@@ -289,7 +478,7 @@ def test_cp_data_puts_all_loss_tokens_of_one_sequence_on_one_rank():
 
 def test_metrics_identical_for_cp1_and_cp2(results):
     """Same mini-batch, same mode: every logged number of cp=2 equals that of one rank."""
-    for mode in REDUCTION_MODES:
+    for mode in layout_worker.SFT_MODES:
         for budget in lc.BUDGETS:
             case = f"{mode}/budget{budget}/uneven"
             one = results[1][f"rep1_shard1_cp1_tp1/{case}"]["logged"]

@@ -28,12 +28,15 @@ STEPS = 10
 RTOL = 1e-4
 # The debug recipe, shrunk to seconds: 8 sequences of <= 64 tokens per step (~300 tokens),
 # packed into micro-batches of <= 128 tokens, so both layouts accumulate several micro-batches.
+# A small entropy bonus runs the loss-term path and its rl/* tags end to end.
+ENTROPY_COEF = 0.01
 OVERRIDES = [
     "--training.steps", str(STEPS),
     "--training.global_batch_size", "8",
     "--training.seq_len", "64",
     "--training.max_tokens_per_microbatch", "128",
     "--metrics.log_freq", "1",
+    "--loss.entropy_coef", str(ENTROPY_COEF),
 ]
 
 
@@ -112,7 +115,9 @@ def test_two_ranks_really_ran_data_parallel(runs):
     assert f"training steps 1..{STEPS} on 1 rank(s)" in log, _output(runs[1].proc)
 
 
-@pytest.mark.parametrize("tag", ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm"])
+@pytest.mark.parametrize(
+    "tag", ["loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "rl/pg_loss", "rl/entropy"]
+)
 def test_two_ranks_match_one_rank(runs, tag):
     one, two = runs[1].scalars[tag], runs[2].scalars[tag]
     assert sorted(one) == sorted(two) == list(range(1, STEPS + 1))
@@ -132,6 +137,16 @@ def test_micro_batches_are_accumulated(runs):
     totals = runs[2].scalars["tokens/total"]
     assert min(totals.values()) / 2 > 128, totals
     assert all(v > 0 for v in runs[1].scalars["tokens/loss_tokens"].values())
+
+
+def test_entropy_bonus_is_in_the_logged_loss(runs):
+    """loss = cross-entropy - entropy_coef * entropy, both weighted like the loss; no other rl/* tag."""
+    tb = runs[2].scalars
+    assert {t for t in tb if t.startswith("rl/")} == {"rl/pg_loss", "rl/entropy"}
+    for step, loss in tb["loss_metrics/global_avg_loss"].items():
+        assert loss == pytest.approx(tb["rl/pg_loss"][step] - ENTROPY_COEF * tb["rl/entropy"][step], rel=1e-5)
+        # A per-token mean entropy of a 512-token vocabulary: between 0 and log(512).
+        assert 0 < tb["rl/entropy"][step] < 6.24
 
 
 def test_model_learns(runs):
@@ -172,6 +187,7 @@ def test_resolved_config_reloads(runs, world_size):
     assert reloaded.training.seq_len == 64
     assert reloaded.training.max_tokens_per_microbatch == 128
     assert reloaded.metrics.log_freq == 1
+    assert reloaded.loss.entropy_coef == ENTROPY_COEF
     assert reloaded.job.dump_folder == str(run.dump)
     # ...and the recipe's values where nothing overrode them.
     assert reloaded.optimizer.lr == 3e-3
@@ -209,8 +225,12 @@ BAD_INPUT = {
         ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"]),
     "unknown_key": (None, ["--training.lr", "0.1"], ["unknown config key 'training.lr'", "did you mean 'optimizer.lr'"]),
     "misspelled_key": (None, ["--training.step", "5"], ["unknown config key 'training.step'", "'training.steps'"]),
+    "rl_loss_in_sft": (2, ["--loss.loss_fn", "ppo"], ["loss.loss_fn: 'ppo' needs advantages and sampler log-probs"]),
+    "clip_low_at_one": (None, ["--loss.loss_fn", "ppo", "--loss.clip_low", "1"], ["loss.clip_low: must be in [0, 1)"]),
+    "clip_for_cross_entropy": (
+        None, ["--loss.clip_high", "0.28"], ["loss.clip_high: not an option of loss_fn 'cross_entropy'"]),
 }
-CONFIG_ERRORS = {"unknown_key", "misspelled_key"}
+CONFIG_ERRORS = {"unknown_key", "misspelled_key", "clip_low_at_one", "clip_for_cross_entropy"}
 
 
 @pytest.fixture(scope="module")

@@ -478,6 +478,8 @@ def test_resolved_config_round_trip(tmp_path):
         "--job.description", 'quote " backslash \\ newline \n tab \t del \x7f ünï',
         "--loss.horizon", "300",
         "--loss.reduction", "seq_mean_token_sum_norm",
+        "--loss.loss_fn", "ppo",
+        "--loss.dual_clip_c", "3",
         "--metrics.enable_tensorboard", "false",
         "--optimizer.eps", "1e-12",
         "--optimizer.lr", "3",
@@ -488,7 +490,7 @@ def test_resolved_config_round_trip(tmp_path):
 
     with open(out, "rb") as f:
         on_disk = tomllib.load(f)
-    assert on_disk == config_to_dict(cfg)  # horizon is set, so nothing is left out
+    assert on_disk == config_to_dict(cfg)  # horizon and dual_clip_c are set, so nothing is left out
 
     reloaded = parse("--job.config_file", out)
     # config_file names the file actually loaded; everything else comes back unchanged.

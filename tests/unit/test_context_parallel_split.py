@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from torchtitan_rl.data.packing import pack, padding_microbatch
-from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.data.packing import OPTIONAL_INPUTS, TOKEN_FIELDS, pack, padding_microbatch
+from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout, microbatch_layout, shard_microbatch
 
 
@@ -63,21 +63,34 @@ def test_positions_and_seq_ids_stay_global():
 
 
 def _sample(n: int, loss_from: int, seed: int) -> Sample:
+    """A sample with every RL input, each a different random tensor."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 50, (n,), generator=gen)
     labels = torch.randint(3, 50, (n,), generator=gen)
-    return Sample(input_ids=ids, labels=labels, loss_mask=torch.arange(n) >= loss_from)
+    return Sample(
+        input_ids=ids, labels=labels, loss_mask=torch.arange(n) >= loss_from,
+        advantages=torch.randn(n, generator=gen), sampler_logprobs=-torch.rand(n, generator=gen),
+        ref_logprobs=-torch.rand(n, generator=gen), group_id=seed // 2,
+    )
 
 
 @pytest.mark.parametrize("cp, tp", [(2, 1), (3, 1), (2, 2), (4, 2)])
 def test_shard_microbatch_moves_every_field_with_one_index(cp, tp):
     samples = [_sample(11, 4, 0), _sample(1, 0, 1), _sample(6, 6, 2), _sample(9, 0, 3)]
-    mb = pack(samples)
+    mb = pack(samples, inputs=OPTIONAL_INPUTS)
     layout = microbatch_layout(mb, cp, tp)
     shards = [shard_microbatch(mb, cp, r, tp) for r in range(cp)]
-    for name in ("input_ids", "labels", "loss_mask", "positions", "seq_ids", "seq_num_loss_tokens"):
+    for name in (*TOKEN_FIELDS, "positions", "seq_ids"):
         restored = layout.gather([getattr(s, name) for s in shards])
         assert torch.equal(restored, getattr(mb, name)), name
+    # Each token's RL inputs are those of its own sequence at the same position as its label.
+    for name in RL_TOKEN_INPUTS:
+        assert torch.equal(getattr(mb, name), torch.cat([getattr(x, name) for x in samples])), name
+    assert mb.group_ids.tolist() == [x.group_id for x in samples for _ in range(len(x))]
+    for r, s in enumerate(shards):
+        # Padding carries zero RL inputs (and, as before, no loss).
+        pad = ~layout.split(torch.ones(mb.num_tokens, dtype=torch.bool), r)
+        assert pad.any() and all(not getattr(s, name)[pad].any() for name in RL_TOKEN_INPUTS)
     for s in shards:
         assert s.num_tokens % tp == 0 and s.seq_lens == mb.seq_lens and s.num_seqs == mb.num_seqs
         # Whole-micro-batch counts travel unchanged: weights need the unsplit n_i and N_k.

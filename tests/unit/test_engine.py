@@ -5,11 +5,13 @@ a per-sequence (unpacked) forward of the same model with the mode's loss written
 formulas for the clipping coefficient and the schedule.
 """
 
+import dataclasses
 import math
 import random
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch import nn
@@ -23,6 +25,7 @@ from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer, lr_factor
+from torchtitan_rl.profiling import cpu_memory_timeline
 from torchtitan_rl.trainer import build_model
 
 CPU = torch.device("cpu")
@@ -42,10 +45,10 @@ ARGS = Qwen3ModelArgs(
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
 
-def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0):
+def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0, args=ARGS):
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(ARGS, dims, CPU, seed, torch.float32)
+    model = build_model(args, dims, CPU, seed, torch.float32)
     optimizer = build_optimizer(model, LR, BETAS[0], BETAS[1], EPS, WD)
     scheduler = build_lr_scheduler(optimizer, steps, warmup, "linear", 0.1)
     options = EngineOptions(
@@ -162,23 +165,25 @@ def test_chunked_logprobs_and_entropy_match_full_logits(chunk):
 
 
 @pytest.mark.parametrize("max_tokens", [0, 12])
-def test_forward_logprobs_match_per_sequence_log_softmax(max_tokens):
+def test_forward_logprobs_and_entropies_match_per_sequence_log_softmax(max_tokens):
     engine = make_engine(max_tokens=max_tokens, chunk=7)
     raw = random_raw(1)
     samples = samples_of(raw)
     if max_tokens:
         assert len(plan_microbatches([len(s) for s in samples], max_tokens)) > 1
-    got = engine.forward(samples)
-    assert len(got) == len(raw)
+    got = engine.forward(samples, with_entropy=True)
+    assert engine.forward(samples).entropies is None
+    assert len(got.logprobs) == len(got.entropies) == len(raw)
     model = engine.model
     with torch.no_grad():
-        for (tokens, _), lp in zip(raw, got):
+        for (tokens, _), lp, ent in zip(raw, got.logprobs, got.entropies):
             ids = torch.tensor(tokens[:-1])
             n = ids.numel()
-            logits = model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long)))
-            expected = logits.float().log_softmax(-1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-            assert lp.shape == (n,)
+            log_softmax = model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).float().log_softmax(-1)
+            expected = log_softmax.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            assert lp.shape == ent.shape == (n,)
             torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent, -(log_softmax.exp() * log_softmax).sum(-1), rtol=1e-5, atol=1e-5)
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -239,6 +244,83 @@ def test_unknown_loss_fn():
     engine = make_engine()
     with pytest.raises(ValueError, match="'nope'.*cross_entropy"):
         engine.forward_backward(samples_of(random_raw(6)), "nope")
+    assert all(p.grad is None for p in engine.model.parameters())
+
+
+def rl_samples(raw, seed: int = 0):
+    """Samples of ``raw`` with every RL input, groups of two."""
+    gen = torch.Generator().manual_seed(seed)
+    samples = samples_of(raw)
+    for i, s in enumerate(samples):
+        n = len(s)
+        s.advantages = torch.randn(n, generator=gen)
+        s.sampler_logprobs = -4 - torch.rand(n, generator=gen)
+        s.ref_logprobs = -4 - torch.rand(n, generator=gen)
+        s.group_id = i // 2
+    return samples
+
+
+def test_rl_step_with_entropy_never_holds_all_logits():
+    """ppo + KL + entropy bonus: logits (and their softmax) exist one token chunk at a time."""
+    args = dataclasses.replace(ARGS, vocab_size=4096)
+    engine = make_engine(chunk=5, args=args)
+    samples = rl_samples(random_raw(8))
+    num_tokens = sum(len(s) for s in samples)
+    with LargestTensorMode() as mode:
+        engine.forward_backward(samples, "ppo", {"kl_coef": 0.1, "entropy_coef": 0.1})
+    assert all(p.grad is not None for p in engine.model.parameters())
+    # The output weight [V, D] is the largest tensor; all logits would be T x V.
+    assert mode.largest <= args.vocab_size * args.dim < num_tokens * args.vocab_size
+
+
+def step_peak_bytes(engine, samples, loss_fn, config) -> int:
+    """Peak bytes allocated during one forward_backward and still alive (profiler events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        engine.forward_backward(samples, loss_fn, config)
+    engine.model.zero_grad(set_to_none=True)
+    return cpu_memory_timeline(prof)["peak_allocated_bytes"]
+
+
+def test_entropy_memory_is_bounded_by_the_chunk():
+    """A reported entropy (RL loss, no bonus) costs no memory over cross-entropy; with a
+    gradient it costs a few chunk-sized buffers, never one per chunk of the micro-batch."""
+    args = dataclasses.replace(ARGS, vocab_size=8192)
+    chunk = 16
+    engine = make_engine(chunk=chunk, args=args)
+    samples = rl_samples(random_raw(10, num=8, max_len=40))
+    num_tokens = sum(len(s) for s in samples)
+    buffer = chunk * args.vocab_size * 4  # one fp32 [chunk, V]
+    assert num_tokens >= 8 * chunk
+    step_peak_bytes(engine, samples, "cross_entropy", {})  # warm-up
+    base = step_peak_bytes(engine, samples, "cross_entropy", {})
+    reported = step_peak_bytes(engine, samples, "ppo", {})
+    bonus = step_peak_bytes(engine, samples, "ppo", {"entropy_coef": 0.1})
+    assert reported <= base + buffer // 4, (reported - base) / buffer
+    assert bonus <= base + 3 * buffer, (bonus - base) / buffer
+
+
+@pytest.mark.parametrize(
+    "loss_fn, config, reduction, spoil, message",
+    [
+        ("ppo", {}, "token_mean", lambda s: setattr(s[2], "advantages", None), r"sample 2 of this rank's 6 has no advantages"),
+        ("cispo", {"kl_coef": 0.1}, "token_mean", lambda s: setattr(s[0], "ref_logprobs", None), r"sample 0 .* has no ref_logprobs"),
+        ("importance_sampling", {}, "token_mean", lambda s: setattr(s[1], "sampler_logprobs", torch.zeros(2)),
+         r"sample 1 .*: sampler_logprobs must be a tensor of shape \(\d+,\) \(one value per label\), got \(2,\)"),
+        ("ppo", {}, "token_mean", lambda s: setattr(s[3], "sampler_logprobs", s[3].sampler_logprobs.exp()),
+         r"sample 3 .*: sampler_logprobs\[\d+\] = .* is a log-probability above 0"),
+        ("ppo", {}, "token_mean", lambda s: s[0].advantages.__setitem__(1, float("inf")), r"advantages\[1\] = inf is not finite"),
+        ("ppo", {}, "token_mean", lambda s: setattr(s[0], "advantages", s[0].advantages.long()), r"advantages must be floating point"),
+        ("ppo", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", None), r"sample 4 .* has no group_id"),
+        ("cross_entropy", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", -1), r"group_id must be an int >= 0"),
+        ("ppo", {}, "prompt_mean", lambda s: setattr(s[5], "group_id", 6), r"group_id 6 is out of range"),
+    ],
+)
+def test_bad_rl_inputs_are_named_before_any_gradient(loss_fn, config, reduction, spoil, message):
+    engine = make_engine(reduction=reduction, max_tokens=12)
+    samples = rl_samples(random_raw(9))
+    spoil(samples)
+    with pytest.raises(ValueError, match=message):
+        engine.forward_backward(samples, loss_fn, config)
     assert all(p.grad is None for p in engine.model.parameters())
 
 

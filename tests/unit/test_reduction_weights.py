@@ -16,6 +16,7 @@ import reference
 from torchtitan_rl.data.packing import pack, padding_microbatch
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.losses.reduction import (
+    GROUP_LOSS_TOKENS,
     NUM_LOSS_TOKENS,
     NUM_MICROBATCHES_WITH_LOSS,
     NUM_SEQS_WITH_LOSS,
@@ -54,20 +55,30 @@ def loss_flags(raw, i):
     return [bool(b) for b in raw[i][1][1:]]
 
 
+def prompt_group(i: int) -> int:
+    """The prompt group of sequence i: pairs of neighbours, which random layouts split apart."""
+    return i // 2
+
+
 def build(raw, layout):
-    """Per rank: the padded list of (micro-batch, group or None)."""
-    samples = [Sample.from_tokens(tokens, mask) for tokens, mask in raw]
+    """Per rank: the padded list of (micro-batch, group or None). Samples carry prompt groups."""
+    samples = []
+    for i, (tokens, mask) in enumerate(raw):
+        sample = Sample.from_tokens(tokens, mask)
+        sample.group_id = prompt_group(i)
+        samples.append(sample)
     num = max(1, max(len(rank) for rank in layout))
     ranks = []
     for rank in layout:
-        mbs = [(pack([samples[i] for i in group]), group) for group in rank]
-        mbs += [(padding_microbatch(), None) for _ in range(num - len(rank))]
+        mbs = [(pack([samples[i] for i in group], inputs=("group_id",)), group) for group in rank]
+        mbs += [(padding_microbatch(inputs=("group_id",)), None) for _ in range(num - len(rank))]
         ranks.append(mbs)
     return ranks
 
 
 def summed_counts(ranks):
-    return sum(local_counts([mb for mb, _ in rank]) for rank in ranks)
+    num_groups = 1 + max(int(mb.group_ids.max()) for rank in ranks for mb, _ in rank)
+    return sum(local_counts([mb for mb, _ in rank], num_groups) for rank in ranks)
 
 
 def brute_force_weights(raw, layout, mode, horizon):
@@ -77,6 +88,10 @@ def brute_force_weights(raw, layout, mode, horizon):
     big_b = sum(1 for x in n if x > 0)
     group_loss = [sum(n[i] for i in group) for rank in layout for group in rank]
     big_k = sum(1 for x in group_loss if x > 0)
+    prompt_loss = {}  # N_p of every prompt group
+    for i in range(len(raw)):
+        prompt_loss[prompt_group(i)] = prompt_loss.get(prompt_group(i), 0) + n[i]
+    big_p = sum(1 for x in prompt_loss.values() if x > 0)
     expected = []
     for rank in layout:
         per_rank = []
@@ -97,6 +112,8 @@ def brute_force_weights(raw, layout, mode, horizon):
                         w.append(1.0)
                     elif mode == "token_mean_legacy":
                         w.append(1.0 / (n_k * big_k))
+                    elif mode == "prompt_mean":
+                        w.append(1.0 / (big_p * prompt_loss[prompt_group(i)]))
                     else:
                         raise AssertionError(mode)
             per_rank.append(w)
@@ -214,14 +231,15 @@ def test_unknown_mode_lists_valid_modes():
 # ---------------------------------------------------------------- the layout-invariance property
 
 
-def minibatch_loss(raw, token_losses, mode, horizon):
+def minibatch_loss(raw, token_losses, mode, horizon, groups=None):
     """The mode's loss, from per-sequence losses (no micro-batches, no ranks)."""
     seq_sums, n = [], []
     for i in range(len(raw)):
         flags = loss_flags(raw, i)
         seq_sums.append(sum(l for l, m in zip(token_losses[i], flags) if m))
         n.append(sum(flags))
-    return reference.minibatch_loss(seq_sums, n, mode, horizon)
+    groups = groups or [prompt_group(i) for i in range(len(raw))]
+    return reference.minibatch_loss(seq_sums, n, mode, horizon, groups)
 
 
 def legacy_loss(raw, token_losses, layout):
@@ -335,3 +353,45 @@ def test_local_counts_brute_force():
 def test_local_counts_of_padding_only_is_zero():
     assert local_counts([padding_microbatch(), padding_microbatch()]).tolist() == [0] * 5
     assert local_counts([]).tolist() == [0] * 5
+
+
+# ---------------------------------------------------------------- prompt_mean
+
+
+def grouped_total(raw, token_losses, groups, mode):
+    """Σ w_t ℓ_t over one micro-batch holding every sequence, sequence i in prompt group groups[i]."""
+    samples = []
+    for (tokens, mask), group in zip(raw, groups):
+        samples.append(Sample.from_tokens(tokens, mask))
+        samples[-1].group_id = group
+    mb = pack(samples, inputs=("group_id",))
+    counts = local_counts([mb], num_groups=max(groups) + 1)
+    losses = torch.tensor([l for per_seq in token_losses for l in per_seq], dtype=torch.float64)
+    return float((token_weights(mb, mode, counts, HORIZON).double() * losses).sum())
+
+
+def test_prompt_mean_equals_sequence_mean_for_equal_groups_of_equal_sequences():
+    rng = random.Random(3)
+    mask = [False, False, True, True, False, True, True]
+    raw = [([rng.randint(0, 50) for _ in mask], mask) for _ in range(6)]
+    token_losses = [[rng.uniform(0.0, 5.0) for _ in range(len(mask) - 1)] for _ in raw]
+    equal = [0, 0, 1, 1, 2, 2]
+    sequence_mean = grouped_total(raw, token_losses, equal, "sequence_mean")
+    assert grouped_total(raw, token_losses, equal, "prompt_mean") == pytest.approx(sequence_mean, rel=1e-6)
+    # Groups of 3, 2 and 1 sequences: every prompt weighs 1/3, not every sequence 1/6.
+    unequal = [0, 0, 0, 1, 1, 2]
+    got = grouped_total(raw, token_losses, unequal, "prompt_mean")
+    assert abs(got - sequence_mean) > 1e-3 * sequence_mean
+    assert got == pytest.approx(minibatch_loss(raw, token_losses, "prompt_mean", HORIZON, unequal), rel=1e-6)
+
+
+def test_group_loss_token_counts_brute_force():
+    rng = random.Random(8)
+    raw = random_raw(rng, 9)
+    layout = [[[0, 3], [5]], [[1, 2, 8]], [[4, 6, 7]]]  # every group split over ranks
+    ranks = build(raw, layout)
+    counts = summed_counts(ranks)
+    n = [sum(loss_flags(raw, i)) for i in range(len(raw))]
+    expected = [sum(n[i] for i in range(len(raw)) if prompt_group(i) == g) for g in range(prompt_group(8) + 1)]
+    assert counts[GROUP_LOSS_TOKENS:].tolist() == expected
+    assert counts[NUM_LOSS_TOKENS] == sum(expected)

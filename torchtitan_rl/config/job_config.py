@@ -155,23 +155,58 @@ class Parallelism:
 
 @dataclass
 class Loss:
-    """How per-token losses are normalized; identical for any parallel layout."""
+    """The loss function and how its per-token terms are normalized; identical for any
+    parallel layout. Every term (policy gradient, KL, entropy) is weighted by the same
+    reduction weights, see docs/loss_reduction.md."""
 
     reduction: Literal[
-        "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy"
+        "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy", "prompt_mean"
     ] = "token_mean"
     """token_mean: every loss token of the mini-batch weighs the same (1/N).
     sequence_mean: every sequence weighs the same (1/(n_i*B), GRPO).
     seq_mean_token_sum_norm: constant horizon 1/(L*B) (Dr. GRPO), L = loss.horizon.
     sum: raw sum of token losses; the caller normalizes.
     token_mean_legacy: token mean per micro-batch, then mean over micro-batches; reproduces
-    the old layout-dependent behaviour on purpose."""
+    the old layout-dependent behaviour on purpose.
+    prompt_mean: every prompt group weighs the same, then every token within it
+    (1/(P*N_p), SkyRL); RL recipes only, samples need a prompt group."""
 
     horizon: Optional[int] = bounded(None, gt=0)
     """The constant L of seq_mean_token_sum_norm. None uses training.seq_len."""
 
     logits_chunk_size: int = bounded(1024, gt=0)
     """Tokens per chunk when computing logits and cross-entropy, bounding peak memory."""
+
+    loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo"] = "cross_entropy"
+    """Per-token policy term, with A the advantage and r = p_theta / p_sampler:
+    cross_entropy: -log p_theta (SFT).
+    importance_sampling: -r*A.
+    ppo: max(-r*A, -clip(r, 1-clip_low, 1+clip_high)*A), optionally dual-clipped.
+    cispo: -stopgrad(clip(r, 1-clip_low, 1+clip_high))*A*log p_theta.
+    The last three need advantages and sampler log-probs (RL recipes)."""
+
+    clip_low: float = 0.2
+    """ppo / cispo: the ratio's lower clip bound is 1 - clip_low; in [0, 1)."""
+
+    clip_high: float = 0.2
+    """ppo / cispo: the ratio's upper clip bound is 1 + clip_high; >= 0 (DAPO's clip-higher
+    uses e.g. 0.28)."""
+
+    dual_clip_c: Optional[float] = None
+    """ppo: dual clip for negative advantages, the loss never exceeds -dual_clip_c * A; > 1.
+    None disables it."""
+
+    kl_coef: float = 0.0
+    """Coefficient of the KL penalty to the reference policy (per token, weighted like the
+    policy term); >= 0. Needs reference log-probs (RL recipes)."""
+
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    """KL estimator, with d = log p_theta - log p_ref: k1 = d, k2 = d^2/2,
+    k3 = exp(-d) - 1 + d, low_var_kl = min(k3, 10) (verl)."""
+
+    entropy_coef: float = 0.0
+    """Coefficient of the entropy bonus: the loss gets -entropy_coef * H_t per token
+    (weighted like the policy term). Negative values penalize entropy."""
 
 
 @dataclass

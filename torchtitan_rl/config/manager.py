@@ -195,8 +195,11 @@ def _check_job_config(cfg: JobConfig) -> None:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
     _check_profiling(cfg)
     _check_checkpoint(cfg)
-    # Imported here: the model package is heavy and not needed to parse a command line.
+    # Imported here: torch and the model package are heavy and not needed to parse a command line.
+    from torchtitan_rl.losses.loss_fns import loss_fn_from_config
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
+
+    loss_fn_from_config(cfg.loss)
 
     if cfg.model.flavor not in qwen3_flavors:
         raise ValueError(

@@ -106,19 +106,15 @@ def microbatch_layout(mb: MicroBatch, cp: int, multiple: int = 1) -> ZigzagLayou
 def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> MicroBatch:
     """CP rank ``rank``'s share of a whole micro-batch.
 
-    Labels, loss masks and the per-sequence loss-token counts were built on the whole
-    sequences and are only moved here, so weights computed from the share are exactly the
-    whole sequence's weights, restricted to this rank's tokens.
+    Labels, loss masks, RL inputs and the per-sequence loss-token counts were built on the
+    whole sequences and are only moved here, all with the same index, so weights computed
+    from the share are exactly the whole sequence's weights, restricted to this rank's tokens.
     """
     layout = microbatch_layout(mb, cp, multiple)
     return replace(
-        mb,
-        input_ids=layout.split(mb.input_ids, rank),
-        labels=layout.split(mb.labels, rank),
-        loss_mask=layout.split(mb.loss_mask, rank, pad_value=False),
+        mb.map_tokens(lambda values: layout.split(values, rank)),
         positions=layout.positions(rank),
         seq_ids=layout.seq_ids(rank),
-        seq_num_loss_tokens=layout.split(mb.seq_num_loss_tokens, rank),
         cp_layout=layout,
     )
 

@@ -37,10 +37,11 @@ def all_reduce(tensor: torch.Tensor, op: str, mesh: DeviceMesh | None) -> torch.
     return funcol.all_reduce(tensor, reduceOp=op, group=mesh)
 
 
-def host_max(value: int, mesh: DeviceMesh | None) -> int:
-    """The largest of an integer known on the host of every rank of ``mesh``."""
+def host_max(values: list[int], mesh: DeviceMesh | None) -> list[int]:
+    """The element-wise largest of integers known on the host of every rank of ``mesh``
+    (one small collective for all of them)."""
     if mesh is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    return int(t[0])
+    return t.tolist()

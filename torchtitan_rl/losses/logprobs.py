@@ -44,8 +44,13 @@ def _sum_over(x: torch.Tensor, group) -> torch.Tensor:
     return x if group is None else _SumOverReplicas.apply(x, group)
 
 
-def _logprobs_from_logits(logits, labels, vocab_start: int, group, with_entropy: bool):
-    """Log-probs (and entropies) from this rank's vocabulary slice ``[C, V_local]`` of the logits."""
+def _logprobs_from_logits(logits, labels, vocab_start: int, group, with_entropy: bool, entropy_grad: bool = True):
+    """Log-probs (and entropies) from this rank's vocabulary slice ``[C, V_local]`` of the logits.
+
+    ``entropy_grad=False`` computes the entropy outside autograd: an entropy that is only
+    reported would otherwise leave its ``[C, V]`` intermediates in the graph, never consumed by
+    backward, so every chunk's would stay alive until the micro-batch's backward ends.
+    """
     logits = logits.float()
     # The max only stabilizes exp(); any value per token gives the same result, so it
     # carries no gradient.
@@ -64,8 +69,13 @@ def _logprobs_from_logits(logits, labels, vocab_start: int, group, with_entropy:
     logprobs = target_shifted - log_normalizer
     if not with_entropy:
         return logprobs, None
-    expected_shifted = _sum_over((exp * shifted).sum(dim=-1), group) / sum_exp
-    return logprobs, log_normalizer - expected_shifted
+    if torch.is_grad_enabled() and entropy_grad:
+        return logprobs, log_normalizer - _sum_over((exp * shifted).sum(dim=-1), group) / sum_exp
+    with torch.no_grad():
+        # Reported only: no graph, and a batched dot product instead of a [C, V] product buffer
+        # (its backward is slow, so the differentiable branch above keeps mul + sum).
+        expected_shifted = _sum_over((exp[:, None, :] @ shifted[:, :, None]).flatten(), group) / sum_exp
+        return logprobs, log_normalizer - expected_shifted
 
 
 def token_logprobs(
@@ -76,8 +86,10 @@ def token_logprobs(
     tp_mesh: DeviceMesh | None = None,
     loss_parallel: bool = True,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(log p(labels[t]), entropy[t] or None)`` for every token, both ``[T]``, differentiable.
+    """``(log p(labels[t]), entropy[t] or None)`` for every token, both ``[T]``, differentiable
+    (the entropy only with ``entropy_grad``).
 
     ``hidden`` is the model's final-normed output: ``[T, D]`` on one TP rank, or this rank's
     sequence-parallel shard ``[T / tp, D]`` under tensor parallel (gathered here, with a
@@ -96,13 +108,13 @@ def token_logprobs(
     def chunk_fn(h, lab):
         logits = h @ weight.t()
         if group is None or loss_parallel:
-            return _logprobs_from_logits(logits, lab, vocab_start, group, with_entropy)
+            return _logprobs_from_logits(logits, lab, vocab_start, group, with_entropy, entropy_grad)
         # Debug path: gather the chunk's logits over the vocabulary, then go dense. Every
         # rank's loss is the same, and the gather's backward sums the replicated gradient
         # over ranks, so it is scaled back to count once.
         logits = all_gather_autograd(logits.t(), tp_mesh).t()
         logits = _ScaleGrad.apply(logits, 1.0 / tp_mesh.size())
-        return _logprobs_from_logits(logits, lab, 0, None, with_entropy)
+        return _logprobs_from_logits(logits, lab, 0, None, with_entropy, entropy_grad)
 
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, hidden.shape[0], chunk_size):

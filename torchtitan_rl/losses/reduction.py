@@ -12,15 +12,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_rl.data.packing import MicroBatch
 from torchtitan_rl.distributed.utils import all_reduce
 
-REDUCTION_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy")
+REDUCTION_MODES = (
+    "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy", "prompt_mean"
+)
+# Modes whose weights need each sample's prompt group (``Sample.group_id``).
+GROUPED_MODES = ("prompt_mean",)
 
-# Layout of the count vector gathered in the step's single all-reduce.
+# Layout of the count vector gathered in the step's single all-reduce; with prompt groups,
+# the loss tokens of group g follow at GROUP_LOSS_TOKENS + g.
 NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_MICROBATCHES_WITH_LOSS, NUM_TOKENS, SUM_SQUARED_SEQ_LENS = range(5)
+GROUP_LOSS_TOKENS = 5
 
 
-def local_counts(microbatches: list[MicroBatch]) -> torch.Tensor:
-    """This rank's counts, from host tensors (no device work, no sync)."""
-    counts = torch.zeros(5, dtype=torch.int64)
+def local_counts(microbatches: list[MicroBatch], num_groups: int = 0) -> torch.Tensor:
+    """This rank's counts, from host tensors (no device work, no sync).
+
+    ``num_groups`` > 0 appends the loss tokens of every prompt group 0..num_groups-1 (the
+    micro-batches then carry ``group_ids``).
+    """
+    counts = torch.zeros(GROUP_LOSS_TOKENS + num_groups, dtype=torch.int64)
     for mb in microbatches:
         if mb.is_padding:
             continue
@@ -31,12 +41,20 @@ def local_counts(microbatches: list[MicroBatch]) -> torch.Tensor:
         counts[NUM_MICROBATCHES_WITH_LOSS] += int(num_loss > 0)
         counts[NUM_TOKENS] += mb.num_tokens - mb.num_padding_tokens
         counts[SUM_SQUARED_SEQ_LENS] += sum(n * n for n in mb.seq_lens)
+        if num_groups:
+            counts[GROUP_LOSS_TOKENS:].index_add_(0, mb.group_ids, mb.loss_mask.long())
     return counts
 
 
-def global_counts(microbatches: list[MicroBatch], batch_mesh: DeviceMesh | None, device: torch.device) -> torch.Tensor:
-    """Counts summed over every rank that loads different samples; stays on ``device``."""
-    return all_reduce(local_counts(microbatches).to(device), "sum", batch_mesh)
+def global_counts(
+    microbatches: list[MicroBatch], batch_mesh: DeviceMesh | None, device: torch.device, num_groups: int = 0
+) -> torch.Tensor:
+    """Counts summed over every rank that loads different samples; stays on ``device``.
+
+    A prompt group whose samples sit on several DP ranks gets its loss tokens summed here,
+    so its count is that of the whole group.
+    """
+    return all_reduce(local_counts(microbatches, num_groups).to(device), "sum", batch_mesh)
 
 
 def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int) -> torch.Tensor:
@@ -58,4 +76,9 @@ def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int)
     if mode == "token_mean_legacy":
         # The whole micro-batch's count, so a CP share normalizes like the whole micro-batch.
         return mask / (max(mb.num_loss_tokens, 1) * counts[NUM_MICROBATCHES_WITH_LOSS].clamp(min=1))
+    if mode == "prompt_mean":
+        assert mb.group_ids is not None and counts.numel() > GROUP_LOSS_TOKENS, "prompt_mean needs group counts"
+        group_loss_tokens = counts[GROUP_LOSS_TOKENS:]
+        num_groups = (group_loss_tokens > 0).sum().clamp(min=1)
+        return mask / (group_loss_tokens[mb.group_ids].clamp(min=1) * num_groups)
     raise ValueError(f"unknown loss.reduction {mode!r}; valid modes: {', '.join(REDUCTION_MODES)}")

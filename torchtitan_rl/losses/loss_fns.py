@@ -1,0 +1,323 @@
+"""The loss functions of ``Engine.forward_backward``, as per-token losses ℓ_t (DESIGN §2, §7).
+
+A loss function turns the per-token log-probs ``logp_θ`` of a micro-batch share (and their
+entropies ``H``) into
+
+    ℓ_t = ℓ^pg_t + kl_coef · KL_t − entropy_coef · H_t,
+
+and the engine sums ``w_t · ℓ_t`` with the reduction weights of ``losses.reduction``
+(``weighted_loss``). The policy term, the KL penalty and the entropy bonus all go through the
+same ``w_t``: each is normalized exactly like the others, for any parallel layout. (SkyRL
+scales only the advantages, which leaves its KL a per-micro-batch sequence mean and its
+entropy a per-micro-batch token mean.)
+
+Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_sampler)`` and
+``clip(r) = clamp(r, 1 − clip_low, 1 + clip_high)``:
+
+| loss_fn               | ℓ^pg_t                                                         |
+|-----------------------|----------------------------------------------------------------|
+| `cross_entropy`       | −logp_θ                                                        |
+| `importance_sampling` | −r·A                                                           |
+| `ppo`                 | max(−r·A, −clip(r)·A); with `dual_clip_c` = c, at most −c·A where A < 0 |
+| `cispo`               | −sg(clip(r))·A·logp_θ  (sg: no gradient through the weight)    |
+
+KL estimators, with ``Δ = logp_θ − logp_ref``: ``k1`` = Δ, ``k2`` = Δ²/2, ``k3`` =
+exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (verl's name and clamp).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_rl.data.packing import MicroBatch
+from torchtitan_rl.distributed.utils import all_reduce
+
+# log(p_θ / q) is clamped to ±20 before exp (e^20 ≈ 5e8): a stale or mismatched sampler
+# log-prob cannot overflow a ratio, and the clamp sits far outside any clip range.
+MAX_LOG_RATIO = 20.0
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOW_VAR_KL_MAX = 10.0
+
+# (name, reduction, per-token values): "mean" over loss tokens, or "min" / "max" over them.
+Stat = tuple[str, str, torch.Tensor]
+PolicyTerm = Callable[[torch.Tensor, MicroBatch, dict[str, Any]], tuple[torch.Tensor, list[Stat]]]
+
+
+@dataclass(frozen=True)
+class LossFnSpec:
+    policy_term: PolicyTerm
+    inputs: tuple[str, ...]  # the sample inputs it reads (data.sample.RL_TOKEN_INPUTS)
+    options: dict[str, Any]  # its own loss_fn_config keys, with their defaults
+
+
+# Keys every loss function takes.
+SHARED_OPTIONS = {"kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
+_CLIP_OPTIONS = {"clip_low": 0.2, "clip_high": 0.2}
+
+
+def _ratio(logprobs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    return (logprobs - mb.sampler_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch) -> list[Stat]:
+    """What every loss that reads the sampler's log-probs reports."""
+    ratio = ratio.detach()
+    mismatch = (logprobs.detach() - mb.sampler_logprobs).abs()
+    return [
+        ("ratio_mean", "mean", ratio),
+        ("ratio_min", "min", ratio),
+        ("ratio_max", "max", ratio),
+        ("logprob_diff_mean", "mean", mismatch),
+        ("logprob_diff_max", "max", mismatch),
+        ("advantage_mean", "mean", mb.advantages),
+    ]
+
+
+def _clip_stats(low: torch.Tensor, high: torch.Tensor, *more: torch.Tensor) -> list[Stat]:
+    """Fractions of loss tokens where a clip bound binds (decides the token's gradient)."""
+    binds = low | high
+    for extra in more:
+        binds = binds | extra
+    return [("clipfrac_low", "mean", low), ("clipfrac_high", "mean", high), ("clipfrac", "mean", binds)]
+
+
+def _cross_entropy(logprobs, mb, options):
+    return -logprobs, []
+
+
+def _importance_sampling(logprobs, mb, options):
+    ratio = _ratio(logprobs, mb)
+    return -ratio * mb.advantages, _sampler_stats(logprobs, ratio, mb)
+
+
+def _ppo(logprobs, mb, options):
+    adv = mb.advantages
+    ratio = _ratio(logprobs, mb)
+    lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
+    loss = torch.maximum(-ratio * adv, -ratio.clamp(lower, upper) * adv)
+    # The clipped branch wins (and zeroes the gradient) only on the side the advantage points to.
+    clipped_low = (adv < 0) & (ratio < lower)
+    clipped_high = (adv > 0) & (ratio > upper)
+    c = options["dual_clip_c"]
+    if c is None:
+        stats = _clip_stats(clipped_low, clipped_high)
+    else:
+        # Dual clip: a negative advantage cannot push the loss above c·|A| however large r is.
+        dual = (adv < 0) & (ratio > c)
+        loss = torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
+        stats = _clip_stats(clipped_low, clipped_high, dual) + [("clipfrac_dual", "mean", dual)]
+    return loss, stats + _sampler_stats(logprobs, ratio, mb)
+
+
+def _cispo(logprobs, mb, options):
+    ratio = _ratio(logprobs, mb)
+    lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
+    weight = ratio.clamp(lower, upper).detach()
+    stats = _clip_stats(ratio < lower, ratio > upper)
+    return -weight * mb.advantages * logprobs, stats + _sampler_stats(logprobs, ratio, mb)
+
+
+_POLICY = ("advantages", "sampler_logprobs")
+LOSS_FNS: dict[str, LossFnSpec] = {
+    "cross_entropy": LossFnSpec(_cross_entropy, (), {}),
+    "importance_sampling": LossFnSpec(_importance_sampling, _POLICY, {}),
+    "ppo": LossFnSpec(_ppo, _POLICY, {**_CLIP_OPTIONS, "dual_clip_c": None}),
+    "cispo": LossFnSpec(_cispo, _POLICY, dict(_CLIP_OPTIONS)),
+}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) from the sampled tokens' log-probs."""
+    delta = logprobs - ref_logprobs
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta.square()
+    delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    k3 = torch.expm1(-delta) + delta
+    return k3.clamp(max=LOW_VAR_KL_MAX) if estimator == "low_var_kl" else k3
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class LossFn:
+    """A loss function with every option resolved (``resolve_loss_fn``)."""
+
+    name: str
+    options: dict[str, Any]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The sample inputs the loss reads."""
+        kl = ("ref_logprobs",) if self.options["kl_coef"] > 0 else ()
+        return LOSS_FNS[self.name].inputs + kl
+
+    @property
+    def needs_entropy(self) -> bool:
+        # RL losses report the entropy even without a bonus: its collapse is what one watches.
+        return self.name != "cross_entropy" or self.options["entropy_coef"] != 0
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    return float(value)
+
+
+def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix: str = "loss_fn_config.") -> LossFn:
+    """``name`` and its options, checked; defaults fill the keys ``config`` leaves out.
+
+    ``key_prefix`` names the keys in error messages (``loss.`` for the TOML section).
+    """
+    if name not in LOSS_FNS:
+        raise ValueError(f"unknown loss_fn {name!r}; valid loss functions: {', '.join(LOSS_FNS)}")
+    valid = {**LOSS_FNS[name].options, **SHARED_OPTIONS}
+    options = dict(valid)
+    for key, value in (config or {}).items():
+        if key not in valid:
+            raise ValueError(
+                f"{key_prefix}{key}: not an option of loss_fn {name!r}; its options: {', '.join(valid)}"
+            )
+        options[key] = value
+    for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
+        if key in options:
+            options[key] = _number(key_prefix + key, options[key])
+    if "clip_low" in options and not 0 <= options["clip_low"] < 1:
+        raise ValueError(f"{key_prefix}clip_low: must be in [0, 1) (the lower bound is 1 - clip_low > 0), got {options['clip_low']}")
+    if "clip_high" in options and options["clip_high"] < 0:
+        raise ValueError(f"{key_prefix}clip_high: must be >= 0, got {options['clip_high']}")
+    if options.get("dual_clip_c") is not None:
+        options["dual_clip_c"] = _number(key_prefix + "dual_clip_c", options["dual_clip_c"])
+        if options["dual_clip_c"] <= 1:
+            raise ValueError(f"{key_prefix}dual_clip_c: must be > 1 (or unset to disable), got {options['dual_clip_c']}")
+    if options["kl_coef"] < 0:
+        raise ValueError(f"{key_prefix}kl_coef: must be >= 0, got {options['kl_coef']}")
+    if options["kl_estimator"] not in KL_ESTIMATORS:
+        raise ValueError(
+            f"{key_prefix}kl_estimator: {options['kl_estimator']!r} is not one of {', '.join(KL_ESTIMATORS)}"
+        )
+    return LossFn(name, options)
+
+
+def loss_fn_from_config(section) -> LossFn:
+    """The loss of a ``[loss]`` config section (``config.job_config.Loss``), naming its keys in errors.
+
+    Fails closed: an option the chosen loss function does not use, set to anything but its
+    default, is an error (a forgotten ``loss.loss_fn``), as is a KL estimator without a KL.
+    """
+    defaults = type(section)()
+    valid = {**LOSS_FNS[section.loss_fn].options, **SHARED_OPTIONS}
+    all_keys = {key for spec in LOSS_FNS.values() for key in spec.options} | set(SHARED_OPTIONS)
+    config = {
+        key: getattr(section, key)
+        for key in sorted(all_keys)
+        if key in valid or getattr(section, key) != getattr(defaults, key)
+    }
+    if section.kl_estimator != defaults.kl_estimator and section.kl_coef == 0:
+        raise ValueError("loss.kl_estimator: only used with loss.kl_coef > 0")
+    return resolve_loss_fn(section.loss_fn, config, key_prefix="loss.")
+
+
+# ---------------------------------------------------------------- per-token terms
+
+
+@dataclass
+class TokenTerms:
+    """The per-token pieces of one micro-batch share's loss."""
+
+    mask: torch.Tensor  # loss mask, bool
+    policy: torch.Tensor  # ℓ^pg
+    kl: torch.Tensor | None  # KL_t, when kl_coef > 0
+    entropy: torch.Tensor | None  # H_t, when computed
+    stats: list[Stat]
+
+
+def token_terms(loss: LossFn, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: MicroBatch) -> TokenTerms:
+    policy, stats = LOSS_FNS[loss.name].policy_term(logprobs, mb, loss.options)
+    kl = None
+    if loss.options["kl_coef"] > 0:
+        kl = kl_penalty(logprobs, mb.ref_logprobs, loss.options["kl_estimator"])
+    return TokenTerms(mb.loss_mask, policy, kl, entropy, stats)
+
+
+def per_token_loss(loss: LossFn, terms: TokenTerms) -> torch.Tensor:
+    """ℓ_t = ℓ^pg_t + kl_coef · KL_t − entropy_coef · H_t."""
+    total = terms.policy
+    if terms.kl is not None:
+        total = total + loss.options["kl_coef"] * terms.kl
+    if loss.options["entropy_coef"] != 0:
+        total = total - loss.options["entropy_coef"] * terms.entropy
+    return total
+
+
+def weighted_loss(loss: LossFn, terms: TokenTerms, weights: torch.Tensor) -> torch.Tensor:
+    """``Σ_t w_t ℓ_t``: the one place where every term meets the reduction weights, the same for all."""
+    return (per_token_loss(loss, terms) * weights).sum()
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class LossMetrics:
+    """Device-resident sums and extremes of one ``forward_backward``'s loss terms (DESIGN §8).
+
+    Term values are ``Σ w_t x_t`` (so ``pg_loss + kl_coef·kl − entropy_coef·entropy`` is the
+    logged loss); means are ``Σ m_t x_t / Σ m_t`` over loss tokens, carried as numerator and
+    denominator; min / max run over loss tokens. Every piece comes from the tokens a rank
+    holds, so all are reduced over the ``loss`` mesh (DP × CP, never TP replicas).
+    """
+
+    def __init__(self):
+        self.weighted: dict[str, torch.Tensor] = {}
+        self.masked: dict[str, torch.Tensor] = {}  # "mean" numerators, and the loss-token count
+        self.maxima: dict[str, torch.Tensor] = {}
+        self.negated: set[str] = set()  # "min" statistics, kept as the max of their negation
+
+    def add(self, terms: TokenTerms, weights: torch.Tensor) -> None:
+        if terms.kl is None and terms.entropy is None and not terms.stats:
+            return  # plain cross-entropy: the logged loss says it all
+        mask = terms.mask
+        for name, values in (("pg_loss", terms.policy), ("kl", terms.kl), ("entropy", terms.entropy)):
+            if values is not None:
+                _accumulate(self.weighted, name, (weights * values.detach()).sum(), torch.add)
+        _accumulate(self.masked, _NUM_LOSS_TOKENS, mask.sum(), torch.add)
+        for name, kind, values in terms.stats:
+            values = values.to(weights.dtype)
+            if kind == "mean":
+                _accumulate(self.masked, name, torch.where(mask, values, 0).sum(), torch.add)
+                continue
+            if kind == "min":
+                self.negated.add(name)
+                values = -values
+            _accumulate(self.maxima, name, torch.where(mask, values, -torch.inf).max(), torch.maximum)
+
+    def reduce(self, loss_mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
+        """``rl/*`` tag -> global value, on device; two all-reduces (none if nothing was recorded)."""
+        if not self.masked:
+            return {}
+        names = [*self.weighted, *self.masked]
+        sums = dict(zip(names, all_reduce(torch.stack([*self.weighted.values(), *self.masked.values()]), "sum", loss_mesh)))
+        num_loss_tokens = sums.pop(_NUM_LOSS_TOKENS)
+        out = {f"rl/{name}": value for name, value in sums.items()}
+        for name in self.masked:
+            if name != _NUM_LOSS_TOKENS:
+                out[f"rl/{name}"] = sums[name] / num_loss_tokens.clamp(min=1)
+        if self.maxima:
+            maxima = all_reduce(torch.stack(list(self.maxima.values())), "max", loss_mesh)
+            for name, value in zip(self.maxima, maxima):
+                value = torch.where(num_loss_tokens > 0, value, 0)  # no loss token anywhere: 0, not inf
+                out[f"rl/{name}"] = -value if name in self.negated else value
+        return out
+
+
+_NUM_LOSS_TOKENS = "num_loss_tokens"
+
+
+def _accumulate(store: dict[str, torch.Tensor], name: str, value: torch.Tensor, combine) -> None:
+    value = value.double()
+    store[name] = value if name not in store else combine(store[name], value)
