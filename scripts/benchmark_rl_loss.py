@@ -1,0 +1,140 @@
+"""Cost of the RL loss (ppo + KL + entropy) against cross-entropy, per training step.
+
+    .venv/bin/python scripts/benchmark_rl_loss.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_rl_loss.py --no-write # print only
+
+One process, the ``debugmodel`` Qwen3 with its vocabulary set to ``--vocab``; a mini-batch of
+``--samples`` sequences of ``--seq-len`` tokens with RL inputs, packed into micro-batches of
+``--budget`` tokens. Each round times ``Engine.forward_backward`` (+ zeroing the gradients) once
+per loss, alternating the order, and the medians are compared as a ratio measured in the same
+run. Peak memory is that of one profiled step per loss: the bytes allocated during the step and
+still alive (``torchtitan_rl.profiling.cpu_memory_timeline``) on CPU, or the allocator's peak
+above the step's start on CUDA.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from torchtitan_rl.data.sample import Sample  # noqa: E402
+from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
+from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
+from torchtitan_rl.profiling import cpu_memory_timeline  # noqa: E402
+from torchtitan_rl.trainer import build_model  # noqa: E402
+
+LOSSES = {
+    "cross_entropy": ("cross_entropy", {}),
+    # RL losses always compute the entropy (for rl/entropy); without a bonus it gets no gradient.
+    "ppo": ("ppo", {"dual_clip_c": 3.0}),
+    "ppo+kl+entropy": ("ppo", {"dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl", "entropy_coef": 0.01}),
+}
+
+
+def make_samples(num: int, seq_len: int, vocab: int) -> list[Sample]:
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(num):
+        ids = torch.randint(0, vocab, (seq_len + 1,), generator=gen)
+        base = -torch.log(torch.tensor(float(vocab)))
+        samples.append(Sample(
+            input_ids=ids[:-1], labels=ids[1:], loss_mask=torch.arange(seq_len) >= seq_len // 4,
+            advantages=torch.randn(seq_len, generator=gen),
+            sampler_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen),
+            ref_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen), group_id=i // 4,
+        ))
+    return samples
+
+
+def peak_bytes(step, device: torch.device) -> int:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return cpu_memory_timeline(prof)["peak_allocated_bytes"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dims = ParallelDims(1, 1, 1, 1, world_size=1)
+    dims.build_meshes(device.type)
+    model_args = dataclasses.replace(qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend="sdpa_loop")
+    model = build_model(model_args, dims, device, 0, torch.float32)
+    engine = Engine(model, None, None, dims, device, EngineOptions("sequence_mean", args.seq_len, args.budget, 1024, 0.0))
+    samples = make_samples(args.samples, args.seq_len, args.vocab)
+
+    def step_of(name):
+        loss_fn, config = LOSSES[name]
+
+        def step():
+            engine.forward_backward(samples, loss_fn, config)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return step
+
+    times = {name: [] for name in LOSSES}
+    for name in LOSSES:
+        step_of(name)()  # warm-up
+    for r in range(args.rounds):
+        for name in (list(LOSSES) if r % 2 == 0 else list(reversed(LOSSES))):
+            start = time.perf_counter()
+            step_of(name)()
+            times[name].append(time.perf_counter() - start)
+    peaks = {name: peak_bytes(step_of(name), device) for name in LOSSES}
+    median = {name: statistics.median(t) for name, t in times.items()}
+
+    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
+               else f"{platform.machine()}, {os.cpu_count()} cores, CPU only")
+    cmd = " ".join([".venv/bin/python", "scripts/benchmark_rl_loss.py", *sys.argv[1:]])
+    base = "cross_entropy"
+    lines = [
+        f"## RL loss overhead per step, {datetime.date.today().isoformat()} ({machine}, torch {torch.__version__})",
+        "",
+        f"Command: `{cmd}` — one process, `debugmodel` Qwen3 with vocab {args.vocab}, {args.samples} × "
+        f"{args.seq_len}-token sequences packed into {args.budget}-token micro-batches, `sequence_mean`; "
+        f"`Engine.forward_backward` + zero_grad, median of {args.rounds} alternating rounds; peak = bytes "
+        "allocated during one step and still alive (memory from before the step not counted).",
+        "",
+        "| loss | step time | peak memory |",
+        "|---|---|---|",
+        *[f"| `{name}` | {median[name] * 1e3:.0f} ms | {peaks[name] / 2**20:.0f} MiB |" for name in LOSSES],
+        "",
+        *[f"- `{name}` / `{base}`: time {median[name] / median[base]:.2f}×, peak memory {peaks[name] / peaks[base]:.2f}×."
+          for name in LOSSES if name != base],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
+            f.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
