@@ -84,6 +84,10 @@ class AttentionContext:
     # mask, SDPA makes a float copy in every call and keeps it for backward (one [T, S] tensor
     # per layer).
     additive_masks: "AdditiveMasks" = field(default_factory=lambda: AdditiveMasks(), compare=False, repr=False)
+    # Inference hook (the KV cache of rl/generator.py): when set, ``packed_attention`` returns
+    # ``override(q, k, v)`` and ignores every field above. It is called once per layer, in
+    # layer order, so it can tell the layers apart by counting its calls. Training never sets it.
+    override: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def build_attention_context(
@@ -134,7 +138,11 @@ def packed_attention(
 
     GQA: query head h uses kv head ``h // (n_heads // n_kv_heads)``. Returns
     ``[T, n_heads, head_dim]``; the scale is ``1 / sqrt(head_dim)``.
+
+    With ``context.override`` set, that function computes the attention instead.
     """
+    if context.override is not None:
+        return context.override(q, k, v)
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"n_heads ({q.shape[1]}) must be a multiple of n_kv_heads ({k.shape[1]})")
     scale = q.shape[-1] ** -0.5

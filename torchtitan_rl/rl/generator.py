@@ -1,0 +1,373 @@
+"""Rollout generation: a batched sampler with a static KV cache over the project's ``Qwen3Model``.
+
+Every trainer rank holds an unsharded replica of the policy (DESIGN §11), refreshed with
+``update_weights`` after each optimizer step, and samples its share of the step's prompts.
+
+How a batch of prompts is generated (``kv_cache=True``):
+
+1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
+   forward; an attention override writes every layer's K/V into each prompt's ``num_samples``
+   cache rows. The first token of each row is sampled from its prompt's last-position logits.
+2. Decode: one token per row per step at the row's own position (RoPE included); attention
+   reads the row's cache slots ``0..position`` and masks the rest. Finished rows keep running
+   (static shapes) but their output is frozen.
+
+``kv_cache=False`` reruns the whole packed model on every row's sequence so far at every step:
+the reference the cache is tested against, and the baseline of the benchmark.
+
+Randomness: row (prompt index p, sample index s) draws one uniform per step from its own CPU
+``torch.Generator`` seeded with ``rollout_seed(seed, step, p, s)``, and picks its token by inverse
+CDF. A rollout therefore depends only on (weights, prompt, params, seed, step, p, s), not on the
+batch it is generated in, the order of prompts, ``max_prompts_per_batch`` or the device count —
+and its numbers are bitwise independent of how prompts are split over ranks whenever
+``max_prompts_per_batch`` divides every rank's share (float kernels may round differently for
+other batch shapes, which can only matter when a uniform falls within rounding of a CDF step).
+"""
+
+import hashlib
+import itertools
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rl.models.attention import AttentionContext, build_attention_context, packed_attention
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+
+
+@dataclass
+class Rollout:
+    prompt_index: int  # the caller's global index of the prompt in the step
+    sample_index: int  # 0..num_samples-1
+    prompt_tokens: list[int]
+    completion_tokens: list[int]  # generated tokens, the stop token included when it stopped
+    logprobs: list[float]  # log_softmax(logits / temperature) at each completion token (T=1 when greedy)
+    stop_reason: str  # "stop" (a stop token was generated) or "length" (max_new_tokens)
+
+
+class RolloutEngine(Protocol):
+    """The seam a GPU inference engine can implement later."""
+
+    def update_weights(self, model: torch.nn.Module) -> None: ...
+
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], num_samples: int,
+        params: SamplingParams, seed: int, step: int,
+    ) -> list[Rollout]: ...
+
+
+def rollout_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """Seed of one rollout's generator: the first 8 bytes (little-endian) of the SHA-256 of
+    ``"{seed}:{step}:{prompt_index}:{sample_index}"``, cut to 63 bits.
+
+    A cryptographic hash rather than arithmetic on the indices, so that neighbouring rollouts
+    get unrelated streams; unlike Python's ``hash()`` it is the same in every process.
+    """
+    digest = hashlib.sha256(f"{seed}:{step}:{prompt_index}:{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens [R], logprobs [R])`` from ``logits [R, V]`` and one uniform in [0, 1) per row.
+
+    The log-prob is of the full (untruncated) tempered distribution, the one the trainer
+    evaluates; top-k / top-p only restrict which tokens can be drawn.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1)
+    else:
+        scaled = logits / params.temperature
+        tokens = _inverse_cdf(_truncated_probs(scaled, params.top_k, params.top_p), uniforms)
+        logprobs = scaled.log_softmax(dim=-1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncated_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """softmax(scaled) restricted to the top-k tokens, then to the nucleus of mass top_p
+    (unnormalized: the inverse CDF scales by the total)."""
+    if 0 < top_k < scaled.shape[-1]:
+        # Tokens tied with the k-th logit are kept too: which of them topk returns is arbitrary.
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep the smallest prefix of the sorted tokens whose mass reaches top_p.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return probs
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval (vocabulary order, float64) holds ``uniform * total``."""
+    cdf = probs.double().cumsum(dim=-1)
+    targets = uniforms.double()[:, None] * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
+    # Rounding can put a target at the total; never step past the last drawable token.
+    last_drawable = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(tokens, last_drawable)
+
+
+def _per_layer(attend):
+    """An attention override calling ``attend(layer, q, k, v)``: packed_attention calls the
+    override once per layer, in layer order, within one forward."""
+    layers = itertools.count()
+    return lambda q, k, v: attend(next(layers), q, k, v)
+
+
+@dataclass
+class _Batch:
+    """The prompts of one batch; row ``i * num_samples + s`` is sample s of prompt i."""
+
+    prompts: list[list[int]]
+    num_samples: int
+    device: torch.device
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompts) * self.num_samples
+
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(p) for p in self.prompts)
+
+    def row_prompt_lens(self) -> torch.Tensor:
+        lens = torch.tensor([len(p) for p in self.prompts], device=self.device)
+        return lens.repeat_interleave(self.num_samples)
+
+
+def _pack(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, positions, seq_ids, index of each sequence's last token) of packed sequences."""
+    device = sequences[0].device
+    lens = torch.tensor([s.numel() for s in sequences], device=device)
+    seq_ids = torch.repeat_interleave(torch.arange(len(sequences), device=device), lens)
+    starts = lens.cumsum(0) - lens
+    positions = torch.arange(seq_ids.numel(), device=device) - starts[seq_ids]
+    return torch.cat(sequences), positions, seq_ids, lens.cumsum(0) - 1
+
+
+class TorchGenerator:
+    """``RolloutEngine`` on an unsharded ``Qwen3Model`` replica (CPU or CUDA).
+
+    Prompts are generated in batches of at most ``max_prompts_per_batch`` prompts (each with
+    ``num_samples`` rows), which bounds the KV cache: per layer, K and V of shape
+    ``[rows, longest prompt + max_new_tokens, n_kv_heads, head_dim]``. Results are bitwise
+    independent of how prompts are split over ranks whenever this size divides every rank's
+    share (float kernels may round differently for other batch shapes).
+    """
+
+    def __init__(
+        self, model_args: Qwen3ModelArgs, device: torch.device, dtype: torch.dtype = torch.float32,
+        max_prompts_per_batch: int = 8, kv_cache: bool = True,
+    ):
+        if max_prompts_per_batch < 1:
+            raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
+        self.args = model_args
+        self.device = torch.device(device)
+        self.max_prompts_per_batch = max_prompts_per_batch
+        self.kv_cache = kv_cache
+        with torch.device("meta"):
+            model = Qwen3Model(model_args)
+        # Uninitialized until update_weights: there is nothing to sample from before it.
+        self.model = model.to_empty(device=self.device).to(dtype).eval().requires_grad_(False)
+        self._loaded = False
+
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Copy every parameter of the trained ``model`` (plain, FSDP2, HSDP or TP) by name.
+
+        A sharded parameter is gathered with ``full_tensor()``, a collective: every rank of the
+        job must call this at the same time. Parameters go in the replica's order, which is
+        the same on every rank; a tied embedding is one parameter, gathered once.
+        """
+        source = dict(model.named_parameters())
+        target = dict(self.model.named_parameters())
+        if source.keys() != target.keys():
+            raise ValueError(
+                "the trained model's parameters do not match the generator's model_args: missing "
+                f"{sorted(target.keys() - source.keys())}, unexpected {sorted(source.keys() - target.keys())}"
+            )
+        for name, param in target.items():
+            value = source[name]
+            param.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+        self._loaded = True
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: list[list[int]], prompt_indices: list[int], num_samples: int,
+        params: SamplingParams, seed: int, step: int,
+    ) -> list[Rollout]:
+        """One rollout per (prompt, sample), ordered by prompt (as given), then sample index.
+
+        No prompts give no rollouts: a rank's share of a step can be empty (TP / CP peers split
+        their prompts among themselves), and generation involves no collective.
+        """
+        self._check_inputs(prompts, prompt_indices, num_samples, params)
+        rollouts = []
+        for start in range(0, len(prompts), self.max_prompts_per_batch):
+            end = start + self.max_prompts_per_batch
+            batch = _Batch(prompts[start:end], num_samples, self.device)
+            rollouts += self._generate_batch(batch, prompt_indices[start:end], params, seed, step)
+        return rollouts
+
+    def _check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams) -> None:
+        if len(prompts) != len(prompt_indices):
+            raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt_indices")
+        if len(set(prompt_indices)) != len(prompt_indices):
+            raise ValueError("prompt_indices must be distinct: each one seeds its own random streams")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        vocab = self.args.vocab_size
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise ValueError(f"stop token {token} is outside the vocabulary [0, {vocab})")
+        for index, prompt in zip(prompt_indices, prompts):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            if not 0 <= min(prompt) <= max(prompt) < vocab:
+                raise ValueError(f"prompt {index} has a token id outside the vocabulary [0, {vocab})")
+            if len(prompt) + params.max_new_tokens > self.args.max_seq_len:
+                raise ValueError(
+                    f"prompt {index}: {len(prompt)} prompt tokens + max_new_tokens {params.max_new_tokens} "
+                    f"exceed the model's max_seq_len {self.args.max_seq_len}"
+                )
+        if not self._loaded:
+            raise RuntimeError("call update_weights before generate: the replica has no weights yet")
+
+    def _generate_batch(
+        self, batch: _Batch, prompt_indices: list[int], params: SamplingParams, seed: int, step: int
+    ) -> list[Rollout]:
+        pairs = [(p, s) for p in prompt_indices for s in range(batch.num_samples)]
+        generators = [torch.Generator().manual_seed(rollout_seed(seed, step, p, s)) for p, s in pairs]
+        rows, steps = batch.num_rows, params.max_new_tokens
+        tokens = torch.zeros(rows, steps, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros(rows, steps, device=self.device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
+        next_logits = self._cached_logits(batch, params) if self.kv_cache else self._uncached_logits(batch)
+        for t in range(steps):
+            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+            tokens[:, t], logprobs[:, t] = sample_tokens(next_logits(t, tokens), params, uniforms.to(self.device))
+            lengths += ~stopped
+            stopped |= torch.isin(tokens[:, t], stop_ids)
+            if bool(stopped.all()):
+                break
+        tokens, logprobs, lengths, stopped = (x.tolist() for x in (tokens, logprobs, lengths, stopped))
+        return [
+            Rollout(p, s, list(batch.prompts[r // batch.num_samples]), tokens[r][: lengths[r]],
+                    logprobs[r][: lengths[r]], "stop" if stopped[r] else "length")
+            for r, (p, s) in enumerate(pairs)
+        ]
+
+    def _logits(self, tokens, positions, seq_ids, context_builder, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of the ``rows`` (default: all) of one packed forward whose attention
+        contexts come from ``context_builder``."""
+        self.model.attention_context_builder = context_builder
+        try:
+            hidden = self.model(tokens, positions, seq_ids)
+        finally:
+            # Left as built, so that calling the replica directly runs plain packed attention.
+            self.model.attention_context_builder = build_attention_context
+        if rows is not None:
+            hidden = hidden.index_select(0, rows)
+        return self.model.output(hidden).float()
+
+    def _uncached_logits(self, batch: _Batch):
+        """Step t: rerun every row's prompt + first t sampled tokens; last-position logits."""
+        prompts = [torch.tensor(p, device=self.device) for p in batch.prompts]
+
+        def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
+            sequences = [torch.cat((prompts[r // batch.num_samples], tokens[r, :t])) for r in range(batch.num_rows)]
+            ids, positions, seq_ids, last = _pack(sequences)
+            return self._logits(ids, positions, seq_ids, build_attention_context, last)
+
+        return next_logits
+
+    def _cached_logits(self, batch: _Batch, params: SamplingParams):
+        """Step 0: prefill (fills the cache); step t: decode token t-1 of every row."""
+        shape = (self.args.n_layers, batch.num_rows, batch.longest_prompt + params.max_new_tokens,
+                 self.args.n_kv_heads, self.args.head_dim)
+        dtype = self.model.output.weight.dtype
+        # Zeros, not empty: masked slots get zero weight, and 0 * NaN garbage would still be NaN.
+        cache_k = torch.zeros(shape, dtype=dtype, device=self.device)
+        cache_v = torch.zeros(shape, dtype=dtype, device=self.device)
+        prompt_lens = batch.row_prompt_lens()
+
+        def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
+            if t == 0:
+                return self._prefill(batch, cache_k, cache_v)
+            positions = prompt_lens + (t - 1)
+            return self._decode(tokens[:, t - 1], positions, batch.longest_prompt + t, cache_k, cache_v)
+
+        return next_logits
+
+    def _prefill(self, batch: _Batch, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+        """Packed forward of the batch's prompts, each once; returns the rows' first logits."""
+        ids, positions, seq_ids, last = _pack([torch.tensor(p, device=self.device) for p in batch.prompts])
+        samples = batch.num_samples
+        # Token j goes to slot positions[j] of its prompt's rows seq_ids[j] * S + 0..S-1.
+        rows = (seq_ids[:, None] * samples + torch.arange(samples, device=self.device)).flatten()
+        slots = positions.repeat_interleave(samples)
+
+        def builder(backend, packed_seq_ids, packed_positions):
+            context = build_attention_context(backend, packed_seq_ids, packed_positions)
+
+            def attend(layer, q, k, v):
+                cache_k[layer].index_put_((rows, slots), k.repeat_interleave(samples, dim=0))
+                cache_v[layer].index_put_((rows, slots), v.repeat_interleave(samples, dim=0))
+                return packed_attention(q, k, v, context)
+
+            return replace(context, override=_per_layer(attend))
+
+        return self._logits(ids, positions, seq_ids, builder, last).repeat_interleave(samples, dim=0)
+
+    def _decode(self, tokens, positions, span: int, cache_k, cache_v) -> torch.Tensor:
+        """One token per row at its own position, attending to its cache slots 0..position.
+
+        Only the first ``span`` slots are read: up to the furthest row's position.
+        """
+        rows = torch.arange(tokens.numel(), device=self.device)
+        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+
+        def attend(layer, q, k, v):
+            cache_k[layer].index_put_((rows, positions), k)
+            cache_v[layer].index_put_((rows, positions), v)
+            keys, values = (c[layer, :, :span].transpose(1, 2) for c in (cache_k, cache_v))
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=visible,
+                scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
+            )
+            return out.squeeze(2)
+
+        def builder(backend, *_):
+            return AttentionContext(backend, override=_per_layer(attend))
+
+        return self._logits(tokens, positions, rows, builder)
