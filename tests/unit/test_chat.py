@@ -1,7 +1,7 @@
 import pytest
 from test_tokenizer import make_hf_tokenizer_dir
 
-from torchtitan_rl.data.chat import render_chat, tokenize_row
+from torchtitan_rl.data.chat import render_chat, tokenize_prompt, tokenize_row
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -110,3 +110,28 @@ def test_invalid_rows_name_keys_and_formats(row, reason):
 def test_render_chat_rejects_unknown_role():
     with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
         render_chat([{"role": "tool", "content": "x"}])
+
+
+# ---------------------------------------------------------------- generation prompts
+
+
+@pytest.mark.parametrize("prompt_messages", [CONVERSATION[:2], CONVERSATION[3:4]], ids=["system+user", "user"])
+def test_prompt_is_the_row_prefix_before_the_assistant_content(tokenizer, prompt_messages):
+    answer = "cba, 你好"
+    prompt = tokenize_prompt(prompt_messages, tokenizer)
+    row = {"messages": prompt_messages + [{"role": "assistant", "content": answer}]}
+    row_tokens, mask = tokenize_row(row, tokenizer)
+    assert row_tokens == prompt + tokenizer.encode(answer) + [tokenizer.im_end_id] + tokenizer.encode("\n")
+    # The first trained token is the first one the model generates from the prompt.
+    assert mask.index(True) == len(prompt)
+    assert tokenizer.decode(prompt) == render_chat(prompt_messages) + "<|im_start|>assistant\n"
+
+
+def test_prompt_accepts_tuples_and_rejects_assistant_turns():
+    tokenizer = ByteTokenizer()
+    messages = CONVERSATION[:2]
+    assert tokenize_prompt(tuple(messages), tokenizer) == tokenize_prompt(messages, tokenizer)
+    with pytest.raises(ValueError, match="must not contain an 'assistant' turn"):
+        tokenize_prompt(CONVERSATION[:3], tokenizer)
+    with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
+        tokenize_prompt([{"role": "tool", "content": "x"}], tokenizer)

@@ -3,8 +3,10 @@
 Chat rows use Qwen's ChatML template ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Each
 message is tokenized on its own (header, content, footer) so the assistant-only loss mask
 falls exactly on token boundaries, whatever the tokenizer would merge across them.
+``tokenize_prompt`` gives the prefix an RL rollout generates from, built from the same pieces.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 from torchtitan_rl.data.tokenizer import IM_END_TOKEN, IM_START_TOKEN, Tokenizer
@@ -30,6 +32,15 @@ def _messages_problem(messages: Any) -> str | None:
     return None
 
 
+def prompt_messages_problem(messages: Any) -> str | None:
+    """What is wrong with ``messages`` as a generation prompt, or None: a valid conversation without assistant turn."""
+    # Tasks keep prompts as immutable tuples; JSON rows bring lists.
+    problem = _messages_problem(list(messages) if isinstance(messages, tuple) else messages)
+    if problem is None and any(m["role"] == TRAINED_ROLE for m in messages):
+        problem = f"a prompt must not contain an {TRAINED_ROLE!r} turn (the model generates it), got {messages!r}"
+    return problem
+
+
 def render_chat(messages: list[dict[str, str]]) -> str:
     """The ChatML text of ``messages``; ``tokenize_row`` produces exactly its tokens."""
     problem = _messages_problem(messages)
@@ -38,12 +49,16 @@ def render_chat(messages: list[dict[str, str]]) -> str:
     return "".join(f"{IM_START_TOKEN}{m['role']}\n{m['content']}{IM_END_TOKEN}\n" for m in messages)
 
 
-def _tokenize_messages(messages: list[dict[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
+def _header(role: str, tokenizer: Tokenizer) -> list[int]:
+    return [tokenizer.im_start_id] + tokenizer.encode(role + "\n")
+
+
+def _tokenize_messages(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[bool]]:
     tokens: list[int] = []
     target_mask: list[bool] = []
     for message in messages:
         is_target = message["role"] == TRAINED_ROLE
-        header = [tokenizer.im_start_id] + tokenizer.encode(message["role"] + "\n")
+        header = _header(message["role"], tokenizer)
         # The model must learn to emit <|im_end|> to stop; the newline after it is template glue.
         content = tokenizer.encode(message["content"]) + [tokenizer.im_end_id]
         footer = tokenizer.encode("\n")
@@ -78,3 +93,17 @@ def tokenize_row(row: dict[str, Any], tokenizer: Tokenizer) -> tuple[list[int], 
     else:
         problem = "it matches no supported format"
     raise ValueError(f"dataset row with keys {sorted(row)} is invalid: {problem}; expected {ACCEPTED_FORMATS}")
+
+
+def tokenize_prompt(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
+    """The tokens a model generates an assistant turn from: ``messages`` then the assistant header.
+
+    They are exactly the tokens ``tokenize_row`` puts before the assistant content of
+    ``messages + [assistant turn]``, so SFT on a task's rows and RL on its prompts see the same
+    prefix; the model then emits the content and ``<|im_end|>``.
+    """
+    problem = prompt_messages_problem(messages)
+    if problem is not None:
+        raise ValueError(f"invalid generation prompt: {problem}")
+    tokens, _ = _tokenize_messages(messages, tokenizer)
+    return tokens + _header(TRAINED_ROLE, tokenizer)

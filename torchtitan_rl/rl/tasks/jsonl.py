@@ -1,0 +1,122 @@
+"""Problems from local JSONL files: one ``{"prompt" | "messages", "answer"}`` object a line.
+
+Rows are validated here rather than by ``datasets`` so every error names the file and line.
+``num_eval`` rows are held out by a seeded random choice, and train rows that repeat a held-out
+prompt are dropped, so no eval prompt is ever trained on.
+"""
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+from torchtitan_rl.data.chat import prompt_messages_problem
+from torchtitan_rl.rl.tasks.rewards import parse_number
+from torchtitan_rl.rl.tasks.task import Problem
+
+ROW_FORMATS = (
+    "{'prompt': str, 'answer': str|int|float} or "
+    "{'messages': [{'role': 'system'|'user', 'content': str}, ...], 'answer': str|int|float}"
+)
+
+
+def _jsonl_files(path: str) -> list[Path]:
+    root = Path(path)
+    if not root.exists():
+        raise ValueError(f"task 'jsonl': path={path!r} does not exist")
+    if root.is_file():
+        if root.suffix != ".jsonl":
+            raise ValueError(f"task 'jsonl': path={path!r} is not a .jsonl file")
+        return [root]
+    files = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
+    if not files:
+        raise ValueError(f"task 'jsonl': path={path!r} is a directory with no .jsonl files")
+    return files
+
+
+def _answer_text(answer: Any, answer_match: str) -> str:
+    # bool is an int subclass, but true/false is never a reference answer.
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        raise ValueError(f"'answer' must be a string or a number, got {answer!r}")
+    if isinstance(answer, float) and not math.isfinite(answer):
+        raise ValueError(f"'answer' must be finite, got {answer!r}")
+    text = str(answer)
+    if not text.strip():
+        raise ValueError("'answer' is empty")
+    if answer_match == "numeric" and parse_number(text) is None:
+        raise ValueError(f"'answer' {text!r} is not a decimal number, which answer_match='numeric' needs")
+    return text
+
+
+def _row_problem(row: Any, source: str, answer_match: str) -> Problem:
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+    unexpected = sorted(set(row) - {"prompt", "messages", "answer"})
+    if unexpected:
+        raise ValueError(f"unexpected keys {unexpected}")
+    if "answer" not in row:
+        raise ValueError("missing 'answer'")
+    if ("prompt" in row) == ("messages" in row):
+        raise ValueError("needs exactly one of 'prompt' and 'messages'")
+    if "prompt" in row:
+        if not isinstance(row["prompt"], str) or not row["prompt"].strip():
+            raise ValueError(f"'prompt' must be a non-empty string, got {row['prompt']!r}")
+        messages = ({"role": "user", "content": row["prompt"]},)
+    else:
+        problem = prompt_messages_problem(row["messages"])
+        if problem is not None:
+            raise ValueError(problem)
+        messages = tuple(dict(m) for m in row["messages"])
+    return Problem(messages, _answer_text(row["answer"], answer_match), source)
+
+
+def read_problems(file: Path, answer_match: str) -> list[Problem]:
+    """Every row of one JSONL file as a ``Problem``; blank lines are skipped."""
+    problems = []
+    # Split bytes, not text: str.splitlines would also split on U+2028 inside JSON strings.
+    for line_number, line in enumerate(file.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        source = f"{file}:{line_number}"
+        try:
+            row = json.loads(line)
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both are ValueErrors
+            raise ValueError(f"malformed JSON at {source}: {err}") from err
+        try:
+            problems.append(_row_problem(row, source, answer_match))
+        except ValueError as err:
+            raise ValueError(f"invalid row at {source}: {err}; expected {ROW_FORMATS}") from err
+    if not problems:
+        raise ValueError(f"task 'jsonl': file {str(file)!r} is empty (no rows)")
+    return problems
+
+
+def jsonl_problem_pools(
+    *, path: str, num_train: int, num_eval: int, seed: int, answer_match: str
+) -> tuple[list[Problem], list[Problem]]:
+    """``(train, eval)`` problems of the rows under ``path``, each pool in file order.
+
+    ``num_train=0`` trains on every row not held out; a positive ``num_train`` takes a seeded
+    random subset of that many.
+    """
+    if not path:
+        raise ValueError("task 'jsonl' needs path: a .jsonl file or a directory of them")
+    problems = [problem for file in _jsonl_files(path) for problem in read_problems(file, answer_match)]
+    if len(problems) < num_eval + 1:
+        raise ValueError(
+            f"task 'jsonl': {path!r} has {len(problems)} rows, fewer than num_eval + 1 = {num_eval + 1} "
+            "(the held-out rows plus at least one to train on)"
+        )
+    rng = random.Random(seed)
+    held_out = set(rng.sample(range(len(problems)), num_eval))
+    eval_problems = [problem for i, problem in enumerate(problems) if i in held_out]
+    eval_prompts = {problem.prompt_key() for problem in eval_problems}
+    train = [p for i, p in enumerate(problems) if i not in held_out and p.prompt_key() not in eval_prompts]
+    if not train:
+        raise ValueError(f"task 'jsonl': every row of {path!r} repeats a held-out prompt; lower num_eval")
+    if num_train > len(train):
+        raise ValueError(f"task 'jsonl': num_train={num_train} but only {len(train)} rows of {path!r} are not held out")
+    if num_train:
+        train = [train[i] for i in sorted(rng.sample(range(len(train)), num_train))]
+    return train, eval_problems
