@@ -4,7 +4,10 @@ import logging
 import sys
 
 from torchtitan_rl.config import ConfigManager
+from torchtitan_rl.rl.trainer import GRPOTrainer
 from torchtitan_rl.trainer import SFTTrainer
+
+RECIPES = {"sft": SFTTrainer, "grpo": GRPOTrainer}
 
 
 def main(argv: list[str]) -> int:
@@ -16,7 +19,7 @@ def main(argv: list[str]) -> int:
         return 2
     trainer = None
     try:
-        trainer = SFTTrainer(job_config)
+        trainer = RECIPES[job_config.job.recipe](job_config)
         trainer.train()
     except ValueError as err:
         # User mistakes found while building (layouts, data, tokenizer): no traceback noise.

@@ -180,6 +180,7 @@ class CheckpointManager:
         train_state: TrainState,
         model_args: Qwen3ModelArgs,
         tokenizer_dir: str = "",
+        extra_models: dict[str, torch.nn.Module] | None = None,
     ):
         self.config = config
         self.folder = os.path.join(dump_folder, config.folder)
@@ -194,6 +195,8 @@ class CheckpointManager:
             "dataloader": dataloader,
             "train_state": train_state,
             "rng": _RNGState(),
+            # e.g. RL's frozen reference policy: part of the training state, not of the model.
+            **{name: _ModelState(m) for name, m in (extra_models or {}).items()},
         }
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Future | None = None

@@ -50,6 +50,9 @@ class EngineOptions:
     logits_chunk_size: int
     max_norm: float
     loss_parallel: bool = True
+    # Log-probs, entropies and losses are of softmax(logits / temperature): RL trains on the
+    # distribution its sampler drew from.
+    temperature: float = 1.0
 
 
 class Engine:
@@ -124,6 +127,9 @@ class Engine:
         """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident micro-batch."""
         with self._autocast():
             hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
+            if self.options.temperature != 1.0:
+                # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
+                hidden = hidden / self.options.temperature
             return token_logprobs(
                 hidden,
                 self.model.output.weight,

@@ -14,7 +14,8 @@ from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
 logger = logging.getLogger(__name__)
 
 # The rl/* values the stdout line shows (all of them go to TensorBoard).
-_STDOUT_RL = ("pg_loss", "kl", "entropy", "clipfrac", "logprob_diff_max")
+_STDOUT_RL = ("reward_mean", "pass@1", "response_length_mean", "pg_loss", "kl", "entropy", "clipfrac",
+              "logprob_diff_max")
 
 # Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -64,8 +65,14 @@ class MetricsLogger:
         window_seconds: float,
         data_stats: dict[str, int],
     ) -> dict[str, float]:
+        """Reduce one update's results and write the step's line and scalars."""
+        values = self.reduce_update(fb, optim)
+        return self.emit(step, values, window_tokens, window_squared_lens, window_seconds, data_stats)
+
+    def reduce_update(self, fb: ForwardBackwardMetrics, optim: dict, with_terms: bool = True) -> dict[str, float]:
+        """The global values of one ``forward_backward`` + ``optim_step`` (collective; syncs the
+        host); ``with_terms=False`` leaves out the loss's ``rl/*`` terms (reduced by the caller)."""
         loss_mesh = self.parallel_dims.mesh("loss")
-        world_size = self.parallel_dims.world_size
         reduced = {
             "loss_metrics/global_avg_loss": all_reduce(fb.loss, "sum", loss_mesh),
             "loss_metrics/global_max_loss": all_reduce(fb.max_seq_loss, "max", loss_mesh),
@@ -73,11 +80,26 @@ class MetricsLogger:
             "tokens/loss_tokens": fb.counts[NUM_LOSS_TOKENS],
             "tokens/total": fb.counts[NUM_TOKENS],
         }
-        reduced.update(fb.terms.reduce(loss_mesh))
+        if with_terms:
+            reduced.update(fb.terms.reduce(loss_mesh))
         values = {tag: float(v) for tag, v in reduced.items()}
         if values["loss_metrics/global_max_loss"] == -float("inf"):
             values["loss_metrics/global_max_loss"] = 0.0  # no sequence has a loss token
         values["lr"] = float(optim["lr"])
+        return values
+
+    def emit(
+        self,
+        step: int,
+        values: dict[str, float],
+        window_tokens: torch.Tensor | float,
+        window_squared_lens: torch.Tensor | float,
+        window_seconds: float,
+        data_stats: dict[str, int],
+    ) -> dict[str, float]:
+        """Add throughput, memory and data counters to ``values``; print the line, write TensorBoard."""
+        values = dict(values)
+        world_size = self.parallel_dims.world_size
         num_tokens = float(window_tokens)
         values["throughput(tps)"] = num_tokens / window_seconds / world_size
         if self.peak_flops is not None:
@@ -106,11 +128,15 @@ class MetricsLogger:
                 f"  mfu: {values['mfu(%)']:.2f}%" if "mfu(%)" in values else "",
                 rl,
             )
+        self.write_scalars(step, values)
+        return values
+
+    def write_scalars(self, step: int, values: dict[str, float]) -> None:
+        """TensorBoard only (rank 0)."""
         if self.writer is not None:
             for tag, value in values.items():
                 self.writer.add_scalar(tag, value, step)
             self.writer.flush()
-        return values
 
     def close(self) -> None:
         if self.writer is not None:

@@ -5,6 +5,7 @@ The trainer knows mini-batches only; micro-batching, meshes and devices are the 
 
 import dataclasses
 import logging
+from abc import ABC, abstractmethod
 import os
 import time
 
@@ -36,19 +37,22 @@ logger = logging.getLogger(__name__)
 
 def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
     p = job_config.parallelism
-    dims = ParallelDims(
+    return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
         world_size=world_size,
     )
-    if job_config.training.global_batch_size % dims.batch_degree != 0:
+
+
+def check_divisible_by_data_parallel(key: str, value: int, parallel_dims: ParallelDims) -> None:
+    """Every data-parallel rank gets the same share of a global count."""
+    if value % parallel_dims.batch_degree != 0:
         raise ValueError(
-            f"training.global_batch_size={job_config.training.global_batch_size} is not divisible by the "
-            f"data-parallel degree {dims.batch_degree} (dp_replicate * dp_shard)"
+            f"{key}={value} is not divisible by the data-parallel degree {parallel_dims.batch_degree} "
+            "(dp_replicate * dp_shard)"
         )
-    return dims
 
 
 def model_args_from_config(job_config: JobConfig, device: torch.device, vocab_size: int) -> Qwen3ModelArgs:
@@ -81,18 +85,31 @@ def build_model(
     return model
 
 
-def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: torch.device, vocab_size: int):
-    """The engine and the model hyper-parameters it was built with."""
-    model_args = model_args_from_config(job_config, device, vocab_size)
-    param_dtype = torch.float32
+def compute_dtype(job_config: JobConfig, device: torch.device) -> torch.dtype:
+    """Compute dtype of the parameters: CPU always trains in float32."""
     if device.type == "cuda" and job_config.training.mixed_precision_param == "bfloat16":
-        param_dtype = torch.bfloat16
-    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, param_dtype)
+        return torch.bfloat16
+    return torch.float32
+
+
+def build_engine(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    vocab_size: int,
+    num_optimizer_steps: int,
+    temperature: float = 1.0,
+):
+    """The engine and the model hyper-parameters it was built with; the LR schedule spans
+    ``num_optimizer_steps``."""
+    model_args = model_args_from_config(job_config, device, vocab_size)
+    dtype = compute_dtype(job_config, device)
+    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, dtype)
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
-    autocast_dtype = param_dtype if (parallel_dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
+    autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
     optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
-    lr_scheduler = build_lr_scheduler(optimizer, t.steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
+    lr_scheduler = build_lr_scheduler(optimizer, num_optimizer_steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
     horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
     options = EngineOptions(
         reduction=job_config.loss.reduction,
@@ -101,6 +118,7 @@ def build_engine(job_config: JobConfig, parallel_dims: ParallelDims, device: tor
         logits_chunk_size=job_config.loss.logits_chunk_size,
         max_norm=t.max_norm,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        temperature=temperature,
     )
     return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
 
@@ -120,34 +138,30 @@ def sft_loss_fn(job_config: JobConfig) -> LossFn:
     return loss_fn_from_config(loss)
 
 
-class SFTTrainer:
-    def __init__(self, job_config: JobConfig):
+class Trainer(ABC):
+    """What every recipe builds, in an order that reports user mistakes (config, data) before
+    any collective: the process group and meshes, the tokenizer, the engine (model, optimizer,
+    LR schedule), metrics, memory profiling and the train state. Recipes add their data and
+    checkpoints."""
+
+    def __init__(self, job_config: JobConfig, num_optimizer_steps: int, temperature: float = 1.0):
         self.job_config = job_config
-        self.loss_fn = sft_loss_fn(job_config)
         self.rank, world_size, self.device = init_distributed(job_config.comm.init_timeout_seconds)
         self.parallel_dims = build_parallel_dims(job_config, world_size)
         torch.manual_seed(job_config.debug.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
-        tokenizer = build_tokenizer(job_config.model.hf_assets_path)
-        t = job_config.training
-        rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, job_config.debug.seed)
+        self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+        self.load_data()
 
         self.parallel_dims.build_meshes(self.device.type)
-        self.engine, args = build_engine(job_config, self.parallel_dims, self.device, tokenizer.vocab_size)
-        self.dataloader = build_sft_dataloader(
-            rows,
-            tokenizer,
-            t.seq_len,
-            t.global_batch_size,
-            t.long_sample_policy,
-            job_config.debug.seed,
-            self.parallel_dims.batch_rank(),
-            self.parallel_dims.batch_degree,
+        self.engine, self.model_args = build_engine(
+            job_config, self.parallel_dims, self.device, self.tokenizer.vocab_size, num_optimizer_steps, temperature
         )
         if self.rank == 0:
             write_resolved_config(job_config, os.path.join(job_config.job.dump_folder, "config.toml"))
         m = job_config.metrics
+        args = self.model_args
         self.metrics = MetricsLogger(
             self.parallel_dims,
             self.device,
@@ -160,19 +174,54 @@ class SFTTrainer:
             job_config.profiling, job_config.job.dump_folder, self.parallel_dims, self.rank, self.device
         )
         self.train_state = TrainState()
-        self.checkpointer = CheckpointManager(
-            job_config.checkpoint,
-            job_config.job.dump_folder,
+
+    @abstractmethod
+    def load_data(self) -> None:
+        """Read and check the recipe's data (runs before any collective)."""
+
+    def build_checkpointer(self, dataloader, extra_models: dict | None = None) -> CheckpointManager:
+        """Checkpoints of the engine's state, ``dataloader``'s position and ``extra_models``."""
+        return CheckpointManager(
+            self.job_config.checkpoint,
+            self.job_config.job.dump_folder,
             self.engine.model,
             self.engine.optimizer,
             self.engine.lr_scheduler,
-            self.dataloader,
+            dataloader,
             self.train_state,
-            args,
-            tokenizer_dir=job_config.model.hf_assets_path,
+            self.model_args,
+            tokenizer_dir=self.job_config.model.hf_assets_path,
+            extra_models=extra_models,
         )
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class SFTTrainer(Trainer):
+    def __init__(self, job_config: JobConfig):
+        self.loss_fn = sft_loss_fn(job_config)
+        super().__init__(job_config, num_optimizer_steps=job_config.training.steps)
+        t = job_config.training
+        self.dataloader = build_sft_dataloader(
+            self.rows,
+            self.tokenizer,
+            t.seq_len,
+            t.global_batch_size,
+            t.long_sample_policy,
+            job_config.debug.seed,
+            self.parallel_dims.batch_rank(),
+            self.parallel_dims.batch_degree,
+        )
+        self.checkpointer = self.build_checkpointer(self.dataloader)
         if self.checkpointer.load():
             logger.info("resuming after step %d", self.train_state.step)
+
+    def load_data(self) -> None:
+        t = self.job_config.training
+        check_divisible_by_data_parallel("training.global_batch_size", t.global_batch_size, self.parallel_dims)
+        self.rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, self.job_config.debug.seed)
 
     def train(self) -> None:
         log_freq = self.job_config.metrics.log_freq
@@ -207,7 +256,3 @@ class SFTTrainer:
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
         self.metrics.close()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -9,11 +9,7 @@ RL losses (with KL and entropy on) also the loss formulas and every logged rl/* 
 
 import dataclasses
 import functools
-import os
 import re
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
@@ -25,47 +21,15 @@ import torchtitan_rl.engine as engine_module
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.losses.reduction import REDUCTION_MODES
-from reference import launch_env, minibatch_loss
+from reference import minibatch_loss
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 RTOL = 1e-5
 
 
-def _launch_once(world_size: int, out_path: str) -> str | None:
-    """Run the worker; None on success, else the failure's telling lines (full log beside OUT)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           os.path.join(HERE, "layout_worker.py"), out_path]
-    proc = subprocess.run(cmd, cwd=HERE, env=launch_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode == 0:
-        return None
-    log = out_path + ".log"
-    with open(log, "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    # The first failing rank's own message is usually far above the tail.
-    causes = [line for line in (proc.stdout + proc.stderr).splitlines()
-              if any(word in line for word in ("Error", "terminate", "abort", "what()", "exitcode"))]
-    return f"{world_size}-rank launch failed (full log: {log}):\n" + "\n".join(causes[:40])
-
-
-def launch(world_size: int, out_path: str) -> dict:
-    failure = _launch_once(world_size, out_path)
-    if failure is not None:
-        # A gloo rank on this 2-core machine has been seen to abort once in many launches
-        # (SIGABRT, never reproduced since). A real bug fails twice; a rerun that passes is
-        # still reported.
-        warnings.warn(f"retrying after a failed launch: {failure}")
-        failure = _launch_once(world_size, out_path)
-        assert failure is None, failure
-    return torch.load(out_path)
-
-
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, dict]:
-    out = tmp_path_factory.mktemp("layouts")
-    by_world = {w: launch(w, str(out / f"world{w}.pt")) for w in (2, 4, 8)}
-    by_world[1] = layout_worker.run_all_layouts(1)
-    return by_world
+def results(layout_results) -> dict[int, dict]:
+    return layout_results
 
 
 # ---------------------------------------------------------------- the reference, by hand

@@ -205,6 +205,7 @@ def _malformed_jsonl(folder: Path) -> Path:
     return path
 
 
+GRPO = ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--rl.sft_warmup_steps", "0"]
 # name -> (world size (None: plain single process), extra args, substrings of the message)
 BAD_INPUT = {
     "replicate_not_dividing_world": (
@@ -229,6 +230,16 @@ BAD_INPUT = {
     "clip_low_at_one": (None, ["--loss.loss_fn", "ppo", "--loss.clip_low", "1"], ["loss.clip_low: must be in [0, 1)"]),
     "clip_for_cross_entropy": (
         None, ["--loss.clip_high", "0.28"], ["loss.clip_high: not an option of loss_fn 'cross_entropy'"]),
+    # GRPO
+    "grpo_prompts_not_divisible": (
+        2, [*GRPO, "--rl.prompts_per_step", "3"],
+        ["rl.prompts_per_step=3", "not divisible by the data-parallel degree 2"]),
+    "grpo_unknown_stop_token": (
+        None, [*GRPO, "--generation.stop_tokens", "<|nope|>"], ["generation.stop_tokens: '<|nope|>' is not a special token"]),
+    "grpo_malformed_jsonl": (
+        None, [*GRPO, "--rl.task", "jsonl", "--rl.task_path", "{malformed}"], ["{malformed}:1", "missing 'answer'"]),
+    "grpo_prompt_longer_than_seq_len": (
+        None, [*GRPO, "--training.seq_len", "16"], ["arithmetic train #0", "does not fit training.seq_len=16"]),
 }
 CONFIG_ERRORS = {"unknown_key", "misspelled_key", "clip_low_at_one", "clip_for_cross_entropy"}
 

@@ -1,5 +1,6 @@
 import dataclasses
 import inspect
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -543,3 +544,46 @@ def test_checkpoint_keys_accepted_together():
                 "--checkpoint.export_dtype", "bfloat16", "--checkpoint.initial_load_path", "hf",
                 "--checkpoint.initial_load_in_hf", "--checkpoint.keep_latest_k", "1")
     assert (cfg.checkpoint.export_dtype, cfg.checkpoint.keep_latest_k) == ("bfloat16", 1)
+
+
+# --- recipes --------------------------------------------------------------------------
+
+
+GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--rl.group_size", "4"], ["rl.group_size: only used with job.recipe = 'grpo'"]),
+        (["--generation.temperature", "0.7"], ["generation.temperature: only used with job.recipe = 'grpo'"]),
+        ([*GRPO, "--training.dataset_path", "x.jsonl"], ["training.dataset_path: not used by job.recipe = 'grpo'"]),
+        ([*GRPO, "--training.global_batch_size", "16"], ["training.global_batch_size: not used by job.recipe"]),
+        (["--job.recipe", "grpo"], ["loss.loss_fn: job.recipe = 'grpo' trains on advantages", "ppo", "'cross_entropy'"]),
+        ([*GRPO, "--generation.top_p", "0.9"], ["generation.top_p: truncated sampling", "'ppo'"]),
+        ([*GRPO, "--generation.top_k", "5"], ["generation.top_k: truncated sampling"]),
+        ([*GRPO, "--loss.kl_coef", "0.1"], ["loss.kl_coef: the KL penalty needs the reference model", "rl.use_reference"]),
+        ([*GRPO, "--rl.use_reference", "true"], ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"]),
+        ([*GRPO, "--rl.task", "jsonl"], ["rl.task_path: set it to the .jsonl file"]),
+        ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'jsonl'"]),
+        ([*GRPO, "--rl.answer_match", "numeric"], ["rl.answer_match: only used with rl.task = 'jsonl'"]),
+        ([*GRPO, "--rl.prompts_per_step", "6", "--rl.num_minibatches", "4"], ["rl.prompts_per_step=6", "rl.num_minibatches=4"]),
+        ([*GRPO, "--rl.group_size", "1"], ["rl.group_size: must be >= 2"]),
+        ([*GRPO, "--generation.temperature", "0"], ["generation.temperature: must be > 0"]),
+        ([*GRPO, "--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_model_only", "false"],
+         ["checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights"]),
+    ],
+)
+def test_recipe_key_combinations(argv, fragments):
+    assert_error(argv, *fragments)
+
+
+def test_grpo_recipes_parse():
+    recipes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train_configs")
+    cfg = parse("--job.config_file", os.path.join(recipes, "debug_grpo.toml"))
+    assert cfg.job.recipe == "grpo" and cfg.rl.group_size == 16
+    cfg = parse("--job.config_file", os.path.join(recipes, "qwen_grpo.toml"))
+    assert cfg.rl.use_reference and cfg.loss.kl_coef > 0 and cfg.generation.dtype == "bfloat16"
+    cfg = parse(*GRPO, "--loss.kl_coef", "0.1", "--rl.use_reference", "true", "--rl.task", "jsonl",
+                "--rl.task_path", "x.jsonl", "--rl.answer_match", "numeric")
+    assert cfg.rl.use_reference and cfg.rl.answer_match == "numeric"

@@ -224,6 +224,33 @@ def test_loss_metrics_are_sums_over_loss_tokens_only():
     assert 0 < expected["rl/clipfrac_dual"] and 0 < expected["rl/clipfrac_low"] and 0 < expected["rl/clipfrac_high"]
 
 
+def test_loss_metrics_of_several_updates_pool_tokens_and_average_terms():
+    """An RL step's metrics over its updates: ratios are Σ numerator / Σ denominator over all
+    of them (not a mean of per-update ratios), extremes are over all, terms are averaged."""
+    loss = resolve_loss_fn("ppo", {"dual_clip_c": 2.0})
+    x, q, ref, adv, entropy = random_tokens(7, n=21)
+    mask = [i % 4 != 0 for i in range(21)]
+    parts, per_update = [], []
+    for h in (slice(0, 5), slice(5, 21)):  # updates of very different sizes
+        mb = make_mb(x[h], q[h], ref[h], adv[h], mask[h])
+        metrics = LossMetrics()
+        weights = token_weights(mb, "token_mean", local_counts([mb]), 1)
+        metrics.add(token_terms(loss, torch.tensor(x[h]), torch.tensor(entropy[h]), mb), weights)
+        parts.append(metrics)
+        per_update.append({k: float(v) for k, v in metrics.reduce(None).items()})
+    got = {k: float(v) for k, v in LossMetrics.combine(parts).reduce(None).items()}
+    keep = [t for t in range(21) if mask[t]]
+    ratio = [math.exp(x[t] - q[t]) for t in keep]
+    assert got["rl/ratio_mean"] == pytest.approx(sum(ratio) / len(ratio), rel=1e-5)
+    assert got["rl/ratio_max"] == pytest.approx(max(ratio), rel=1e-6)
+    assert got["rl/ratio_min"] == pytest.approx(min(ratio), rel=1e-6)
+    assert got["rl/advantage_mean"] == pytest.approx(sum(adv[t] for t in keep) / len(keep), rel=1e-5, abs=1e-7)
+    for term in ("rl/pg_loss", "rl/entropy"):
+        assert got[term] == pytest.approx((per_update[0][term] + per_update[1][term]) / 2, rel=1e-6)
+    # The mean of the per-update ratios would be another number.
+    assert abs(got["rl/ratio_mean"] - (per_update[0]["rl/ratio_mean"] + per_update[1]["rl/ratio_mean"]) / 2) > 1e-4
+
+
 def test_loss_metrics_without_loss_tokens_are_zero_and_plain_cross_entropy_logs_none():
     loss = resolve_loss_fn("cispo", {})
     x, q, ref, adv, entropy = random_tokens(6, n=5)

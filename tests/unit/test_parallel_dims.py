@@ -4,7 +4,7 @@ import pytest
 
 from torchtitan_rl.config import ConfigManager
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.trainer import build_parallel_dims
+from torchtitan_rl.trainer import build_parallel_dims, check_divisible_by_data_parallel
 
 KEYS = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
@@ -132,9 +132,10 @@ def config(*argv: str):
 )
 def test_build_parallel_dims_batch_not_divisible(argv, world_size):
     cfg = config(*argv)
+    dims = build_parallel_dims(cfg, world_size)
     with pytest.raises(ValueError, match=r"training\.global_batch_size") as info:
-        build_parallel_dims(cfg, world_size)
-    assert str(cfg.training.global_batch_size) in str(info.value)
+        check_divisible_by_data_parallel("training.global_batch_size", cfg.training.global_batch_size, dims)
+    assert str(cfg.training.global_batch_size) in str(info.value) and str(dims.batch_degree) in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -158,7 +159,9 @@ def test_build_parallel_dims_batch_not_divisible(argv, world_size):
     ],
 )
 def test_build_parallel_dims_ok(argv, world_size, batch_degree):
-    dims = build_parallel_dims(config(*argv), world_size)
+    cfg = config(*argv)
+    dims = build_parallel_dims(cfg, world_size)
+    check_divisible_by_data_parallel("training.global_batch_size", cfg.training.global_batch_size, dims)
     assert dims.batch_degree == batch_degree
     assert dims.world_size == world_size
 

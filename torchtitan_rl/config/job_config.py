@@ -28,6 +28,11 @@ class Job:
     description: str = ""
     """Free-form description of the run, for humans."""
 
+    recipe: Literal["sft", "grpo"] = "sft"
+    """sft: supervised fine-tuning on training.dataset. grpo: RL from verifiable rewards: the
+    policy samples completions of a task's prompts ([rl], [generation]), a verifier rewards
+    them, and the loss of [loss] trains on group advantages."""
+
 
 @dataclass
 class Model:
@@ -210,6 +215,117 @@ class Loss:
 
 
 @dataclass
+class RL:
+    """GRPO (job.recipe = "grpo"): prompts, rewards, advantages, updates, evaluation."""
+
+    task: Literal["arithmetic", "reverse", "jsonl"] = "arithmetic"
+    """Verifiable task: a built-in one, or jsonl (rows {"prompt" | "messages", "answer"} in
+    rl.task_path)."""
+
+    task_path: str = ""
+    """The .jsonl file (or directory of them) of the jsonl task."""
+
+    answer_match: Literal["exact", "numeric"] = "exact"
+    """jsonl task: a completion is correct when it equals the answer (exact, after stripping
+    whitespace) or parses as the same number (numeric)."""
+
+    num_train_prompts: int = bounded(0, ge=0)
+    """Size of the training prompt pool; 0 takes every row not held out of a jsonl task, 1000
+    problems of a built-in one. A small pool (e.g. 8) is what a tiny model can visibly learn
+    by RL in minutes."""
+
+    num_eval_prompts: int = bounded(64, ge=1)
+    """Held-out prompts for evaluation (never in the training pool)."""
+
+    partial_credit: float = bounded(0.0, ge=0)
+    """Weight of the partial reward of a wrong answer (matching characters in place, 0..1)."""
+
+    format_reward: float = bounded(0.0, ge=0)
+    """Reward added when the completion ends with a stop token (not cut at
+    generation.max_new_tokens)."""
+
+    group_size: int = bounded(8, ge=2)
+    """Completions sampled per prompt; the group is the advantage's baseline."""
+
+    prompts_per_step: int = bounded(16, ge=1)
+    """Prompts per RL step over all ranks (the rollout batch is prompts_per_step * group_size
+    completions); divisible by rl.num_minibatches times the data-parallel degree."""
+
+    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    """grpo: group z-score (r - mean) / (std + eps), Bessel std. dr_grpo: r - mean (Dr. GRPO).
+    rloo: r minus the mean of the group's other samples."""
+
+    advantage_eps: float = bounded(1e-6, gt=0)
+    """The eps of grpo's (r - mean) / (std + eps)."""
+
+    filter_zero_variance_groups: bool = False
+    """Drop groups whose rewards are all equal (zero advantage: no signal) before training;
+    they are counted in rl/filtered_groups."""
+
+    ppo_epochs: int = bounded(1, ge=1)
+    """Passes over each rollout batch."""
+
+    num_minibatches: int = bounded(1, ge=1)
+    """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1)
+    the policy's log-probs before the update are recomputed (pi_old) for the ratio."""
+
+    use_reference: bool = False
+    """Keep a frozen copy of the starting policy (FSDP-sharded like it) for the KL penalty
+    loss.kl_coef; needed exactly when loss.kl_coef > 0."""
+
+    eval_interval: int = bounded(0, ge=0)
+    """Evaluate every this many steps (and at the last step): greedy pass@1 and sampled
+    pass@k on the held-out prompts. 0 disables evaluation."""
+
+    eval_num_samples: int = bounded(8, ge=1)
+    """k of the sampled pass@k evaluation (completions per held-out prompt)."""
+
+    sft_warmup_steps: int = bounded(0, ge=0)
+    """SFT steps on the task's own prompts and answers before RL, run only when the run starts
+    from scratch (no checkpoint to resume, no checkpoint.initial_load_path): a random model
+    never earns a reward."""
+
+    sft_warmup_batch_size: int = bounded(32, ge=1)
+    """Sequences per SFT warm-up step (over all ranks; divisible by the data-parallel degree)."""
+
+    sft_warmup_lr: float = bounded(3e-3, gt=0)
+    """Learning rate of the SFT warm-up (its own AdamW, discarded before RL)."""
+
+
+@dataclass
+class Generation:
+    """Sampling of rollouts (job.recipe = "grpo")."""
+
+    max_new_tokens: int = bounded(16, ge=1)
+    """Longest completion; a completion cut here counts as truncated."""
+
+    temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature. The trainer evaluates log-probs of the same softmax(logits / T)."""
+
+    top_p: float = bounded(1.0, gt=0, le=1)
+    """Nucleus sampling; 1 disables. Below 1 the sampler draws from a truncated distribution
+    while the trainer evaluates the full softmax, which biases every ratio-based loss: refused
+    for training rollouts."""
+
+    top_k: int = bounded(0, ge=0)
+    """Sample among the k most likely tokens; 0 disables. Refused like top_p < 1."""
+
+    stop_tokens: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
+    """Special tokens that end a completion (kept in it, and in the loss)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the generator's replica of the policy (CPU always uses float32)."""
+
+    seed: int = 0
+    """Seed of the rollouts: each completion's randomness depends only on (seed, step, prompt,
+    sample), never on the parallel layout."""
+
+    max_prompts_per_batch: int = bounded(8, ge=1)
+    """Prompts a rank generates at once (times rl.group_size rows): bounds the KV cache.
+    Rollouts are bitwise layout-independent when it divides every rank's share."""
+
+
+@dataclass
 class Metrics:
     """Logging."""
 
@@ -322,6 +438,8 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     loss: Loss = field(default_factory=Loss)
+    rl: RL = field(default_factory=RL)
+    generation: Generation = field(default_factory=Generation)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -22,7 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.config.job_config import Checkpoint, JobConfig
+from torchtitan_rl.config.job_config import RL, Checkpoint, Generation, JobConfig, Training
 
 _CONFIG_FILE_KEY = "job.config_file"
 _TRUE = ("true", "1", "yes")
@@ -195,6 +195,7 @@ def _check_job_config(cfg: JobConfig) -> None:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
     _check_profiling(cfg)
     _check_checkpoint(cfg)
+    _check_recipe(cfg)
     # Imported here: torch and the model package are heavy and not needed to parse a command line.
     from torchtitan_rl.losses.loss_fns import loss_fn_from_config
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
@@ -225,6 +226,66 @@ def _check_profiling(cfg: JobConfig) -> None:
         if step in seen:
             raise ValueError(f"{key}: step {step} is listed more than once")
         seen.add(step)
+
+
+# Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
+RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
+# SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
+_SFT_DATA_KEYS = ("dataset", "dataset_path", "global_batch_size")
+
+
+def _non_default(section, defaults) -> list[str]:
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
+
+
+def _check_recipe(cfg: JobConfig) -> None:
+    """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
+    if cfg.job.recipe == "sft":
+        for name, section, defaults in (("rl", cfg.rl, RL()), ("generation", cfg.generation, Generation())):
+            unused = _non_default(section, defaults)
+            if unused:
+                raise ValueError(f"{name}.{unused[0]}: only used with job.recipe = 'grpo'")
+        return
+    unused = [key for key in _SFT_DATA_KEYS if getattr(cfg.training, key) != getattr(Training(), key)]
+    if unused:
+        raise ValueError(
+            f"training.{unused[0]}: not used by job.recipe = 'grpo', which samples prompts of rl.task "
+            "(rl.prompts_per_step per step)"
+        )
+    loss, rl, generation = cfg.loss, cfg.rl, cfg.generation
+    if loss.loss_fn not in RATIO_LOSS_FNS:
+        raise ValueError(
+            f"loss.loss_fn: job.recipe = 'grpo' trains on advantages; choose one of {', '.join(RATIO_LOSS_FNS)}, "
+            f"not {loss.loss_fn!r}"
+        )
+    if generation.top_p < 1 or generation.top_k > 0:
+        key = "top_p" if generation.top_p < 1 else "top_k"
+        raise ValueError(
+            f"generation.{key}: truncated sampling draws from a distribution the trainer does not evaluate "
+            f"(it sees the full softmax), which biases the ratio of loss.loss_fn = {loss.loss_fn!r}; use "
+            "top_p = 1 and top_k = 0"
+        )
+    if loss.kl_coef > 0 and not rl.use_reference:
+        raise ValueError("loss.kl_coef: the KL penalty needs the reference model; set rl.use_reference = true")
+    if rl.use_reference and loss.kl_coef == 0:
+        raise ValueError("rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0")
+    if (rl.task == "jsonl") != bool(rl.task_path):
+        raise ValueError(
+            "rl.task_path: set it to the .jsonl file (or directory) of rl.task = 'jsonl'"
+            if rl.task == "jsonl"
+            else f"rl.task_path: only used with rl.task = 'jsonl', but rl.task = {rl.task!r}"
+        )
+    if rl.answer_match != "exact" and rl.task != "jsonl":
+        raise ValueError(f"rl.answer_match: only used with rl.task = 'jsonl' (built-in {rl.task!r} matches exactly)")
+    if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_model_only:
+        raise ValueError(
+            "checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights "
+            "only (its optimizer and data position belong to that run)"
+        )
+    if rl.prompts_per_step % rl.num_minibatches != 0:
+        raise ValueError(
+            f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
+        )
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:

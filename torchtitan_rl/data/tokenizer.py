@@ -26,6 +26,10 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a special token given as its string (e.g. a stop token), or None."""
+        ...
+
 
 class ByteTokenizer:
     """ids 0..255 are UTF-8 bytes, followed by the three special tokens; needs no files."""
@@ -46,6 +50,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         # Special-token strings inside text stay plain bytes: only the chat template emits specials.
         return list(text.encode("utf-8"))
+
+    def token_to_id(self, token: str) -> int | None:
+        return next((i for i, s in self._special_strings.items() if s == token), None)
 
     def decode(self, ids: list[int]) -> str:
         pieces: list[str] = []
@@ -89,6 +96,9 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
 
 
 def build_tokenizer(hf_assets_path: str) -> Tokenizer:

@@ -13,6 +13,8 @@ _FLATTENED = {
     "batch": ("dp_replicate", "dp_shard"),
     "fsdp": ("dp_shard", "cp"),
     "loss": ("dp_replicate", "dp_shard", "cp"),
+    # The ranks of one DP replica: they hold the same samples (RL rollouts are shared among them).
+    "cp_tp": ("cp", "tp"),
 }
 
 

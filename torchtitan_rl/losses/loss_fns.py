@@ -296,6 +296,22 @@ class LossMetrics:
                 values = -values
             _accumulate(self.maxima, name, torch.where(mask, values, -torch.inf).max(), torch.maximum)
 
+    @classmethod
+    def combine(cls, parts: list["LossMetrics"]) -> "LossMetrics":
+        """One RL step's metrics from its updates: token sums add up and extremes stay extremes
+        (so ratios are still Σ numerator / Σ denominator over the step), while the term values,
+        each already a mini-batch loss, are averaged over the updates."""
+        combined = cls()
+        for part in parts:
+            for store, merged, combine in ((part.weighted, combined.weighted, torch.add),
+                                           (part.masked, combined.masked, torch.add),
+                                           (part.maxima, combined.maxima, torch.maximum)):
+                for name, value in store.items():
+                    _accumulate(merged, name, value, combine)
+            combined.negated |= part.negated
+        combined.weighted = {name: value / len(parts) for name, value in combined.weighted.items()}
+        return combined
+
     def reduce(self, loss_mesh: DeviceMesh | None) -> dict[str, torch.Tensor]:
         """``rl/*`` tag -> global value, on device; two all-reduces (none if nothing was recorded)."""
         if not self.masked:

@@ -1,0 +1,216 @@
+"""From a step's prompts to training samples: which rank generates what, the rollout exchange,
+advantages and the per-token RL inputs.
+
+Layout independence (DESIGN §11): the step's prompts come from one global stream, every rank
+derives its share from (prompt index, mini-batch, data-parallel rank) alone, and each rollout's
+randomness from (seed, step, prompt, sample) alone, so the rollout batch of a step is the same
+for every parallel layout. Context- and tensor-parallel peers of a data-parallel rank hold the
+same samples: they split the generation work and exchange the rollouts, so all of them train
+on identical rollouts.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
+from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
+from torchtitan_rl.rl.tasks import Reward
+
+
+class PromptStream:
+    """Indices into a task's training pool: ``prompts_per_step`` per step, in a fresh seeded
+    order every epoch, identical on every rank. Checkpointable (epoch and position)."""
+
+    def __init__(self, num_problems: int, prompts_per_step: int, seed: int):
+        if num_problems < 1:
+            raise ValueError("the task has no training prompts")
+        self.num_problems = num_problems
+        self.prompts_per_step = prompts_per_step
+        self.seed = seed
+        self._epoch = 0
+        self._position = 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self._epoch)
+        return torch.randperm(self.num_problems, generator=generator).tolist()
+
+    def next_step(self) -> list[int]:
+        indices = []
+        while len(indices) < self.prompts_per_step:
+            if self._position == self.num_problems:
+                self._epoch += 1
+                self._position = 0
+                self._order = self._epoch_order()
+            indices.append(self._order[self._position])
+            self._position += 1
+        return indices
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "position": self._position}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._epoch, self._position = int(state_dict["epoch"]), int(state_dict["position"])
+        self._order = self._epoch_order()
+
+
+def rank_prompt_slots(num_prompts: int, num_minibatches: int, dp_rank: int, dp_degree: int) -> list[list[int]]:
+    """Per mini-batch, the step's prompt slots (0..num_prompts-1) this data-parallel rank trains.
+
+    Mini-batch m is the same global set of prompts for any DP degree (slots m·P/M ..
+    (m+1)·P/M − 1); each rank holds a contiguous share of it.
+    """
+    per_minibatch = num_prompts // num_minibatches
+    share = per_minibatch // dp_degree
+    assert share * dp_degree * num_minibatches == num_prompts, (num_prompts, num_minibatches, dp_degree)
+    return [
+        list(range(m * per_minibatch + dp_rank * share, m * per_minibatch + (dp_rank + 1) * share))
+        for m in range(num_minibatches)
+    ]
+
+
+def split_among_peers(items: list, peer_rank: int, num_peers: int) -> list:
+    """This peer's contiguous part of ``items`` (sizes differ by at most one)."""
+    base, extra = divmod(len(items), num_peers)
+    start = peer_rank * base + min(peer_rank, extra)
+    return items[start : start + base + (1 if peer_rank < extra else 0)]
+
+
+def generate_share(
+    generator: RolloutEngine, step_prompts: list[list[int]], slots: list[int], num_samples: int,
+    params: SamplingParams, seed: int, step: int, peer_mesh: DeviceMesh | None,
+) -> list[Rollout]:
+    """This peer's part of the rollouts of ``slots`` (indices into ``step_prompts``, the step's
+    prompt tokens); ``exchange_among_peers`` then gives every peer all of them."""
+    peer_rank, num_peers = (0, 1) if peer_mesh is None else (peer_mesh.get_local_rank(), peer_mesh.size())
+    mine = split_among_peers(slots, peer_rank, num_peers)
+    return generator.generate([step_prompts[s] for s in mine], mine, num_samples, params, seed, step)
+
+
+def exchange_among_peers(local: list, peer_mesh: DeviceMesh | None) -> list:
+    """Every peer's ``local`` list, concatenated in peer order, on every peer."""
+    if peer_mesh is None:
+        return local
+    gathered: list = [None] * peer_mesh.size()
+    dist.all_gather_object(gathered, local, group=peer_mesh.get_group())
+    return [item for part in gathered for item in part]
+
+
+@dataclass
+class ScoredGroup:
+    """The rollouts of one prompt with their rewards and advantages."""
+
+    slot: int  # the prompt's position in the step (its group id)
+    rollouts: list[Rollout]
+    rewards: list[Reward]
+    advantages: list[float]
+
+
+def score_groups(
+    rollouts: list[Rollout], rewards: list[Reward], group_size: int, estimator: str, eps: float
+) -> list[ScoredGroup]:
+    """Group ``rollouts`` (ordered by prompt, then sample) and compute their advantages."""
+    totals = torch.tensor([r.total for r in rewards], dtype=torch.float64)
+    group_ids = torch.tensor([r.prompt_index for r in rollouts])
+    advantages = group_advantages(totals, group_ids, estimator, eps).tolist()
+    return [
+        ScoredGroup(rollouts[i].prompt_index, rollouts[i : i + group_size], rewards[i : i + group_size],
+                    advantages[i : i + group_size])
+        for i in range(0, len(rollouts), group_size)
+    ]
+
+
+def is_zero_variance(group: ScoredGroup) -> bool:
+    totals = torch.tensor([r.total for r in group.rewards], dtype=torch.float64)
+    return bool(zero_variance_groups(totals, torch.zeros(len(totals), dtype=torch.long)).all())
+
+
+def to_samples(groups: list[ScoredGroup], max_len: int) -> list[Sample]:
+    """One training sample per rollout: the loss covers the completion (stop token included),
+    whose tokens carry the group advantage and the sampler's log-probs; the group id is the
+    prompt's slot in the step."""
+    samples = []
+    for group in groups:
+        for rollout, advantage in zip(group.rollouts, group.advantages):
+            tokens = rollout.prompt_tokens + rollout.completion_tokens
+            if len(tokens) - 1 > max_len:
+                raise ValueError(
+                    f"a rollout of {len(tokens) - 1} tokens exceeds training.seq_len={max_len}; raise it to at "
+                    "least the longest prompt plus generation.max_new_tokens"
+                )
+            num_prompt, num_completion = len(rollout.prompt_tokens) - 1, len(rollout.completion_tokens)
+            ids = torch.tensor(tokens, dtype=torch.long)
+            completion = torch.cat([torch.zeros(num_prompt, dtype=torch.bool), torch.ones(num_completion, dtype=torch.bool)])
+            samples.append(Sample(
+                input_ids=ids[:-1],
+                labels=ids[1:].clone(),
+                loss_mask=completion,
+                advantages=completion.float() * advantage,
+                sampler_logprobs=torch.cat([torch.zeros(num_prompt), torch.tensor(rollout.logprobs, dtype=torch.float32)]),
+                group_id=group.slot,
+            ))
+    return samples
+
+
+# Sums over the step's rollouts, reduced over the `batch` mesh (peers hold copies: never summed).
+_SUMS = ("num_rollouts", "reward", "reward_sq", "correct", "length", "truncated", "num_groups",
+         "groups_all_correct", "groups_all_wrong", "filtered_groups")
+
+
+def rollout_sums(groups: list[ScoredGroup], filtered: int) -> tuple[dict[str, float], float, dict[str, float]]:
+    """(sums of ``_SUMS``, the longest response, sums of each reward component) of this rank's groups."""
+    sums = dict.fromkeys(_SUMS, 0.0)
+    components: dict[str, float] = {}
+    longest = 0.0
+    for group in groups:
+        correct = [r.correct for r in group.rewards]
+        sums["num_groups"] += 1
+        sums["groups_all_correct"] += all(correct)
+        sums["groups_all_wrong"] += not any(correct)
+        for rollout, reward in zip(group.rollouts, group.rewards):
+            sums["num_rollouts"] += 1
+            sums["reward"] += reward.total
+            sums["reward_sq"] += reward.total**2
+            sums["correct"] += reward.correct
+            sums["length"] += len(rollout.completion_tokens)
+            sums["truncated"] += rollout.stop_reason == "length"
+            longest = max(longest, float(len(rollout.completion_tokens)))
+            for name, value in reward.components.items():
+                components[name] = components.get(name, 0.0) + value
+    sums["filtered_groups"] = float(filtered)
+    return sums, longest, components
+
+
+def rollout_metrics(
+    sums: dict[str, float], longest: float, components: dict[str, float], batch_mesh: DeviceMesh | None
+) -> dict[str, float]:
+    """Global ``rl/*`` rollout metrics: every ratio is Σ numerator / Σ denominator over the step."""
+    names = list(sums) + [f"reward_{c}" for c in components]
+    values = torch.tensor(list(sums.values()) + list(components.values()), dtype=torch.float64)
+    longest_t = torch.tensor([longest], dtype=torch.float64)
+    if batch_mesh is not None:
+        dist.all_reduce(values, group=batch_mesh.get_group())
+        dist.all_reduce(longest_t, op=dist.ReduceOp.MAX, group=batch_mesh.get_group())
+    total = dict(zip(names, values.tolist()))
+    n, groups = max(total["num_rollouts"], 1.0), max(total["num_groups"], 1.0)
+    mean = total["reward"] / n
+    out = {
+        "rl/reward_mean": mean,
+        "rl/reward_std": max(total["reward_sq"] / n - mean**2, 0.0) ** 0.5,
+        "rl/pass@1": total["correct"] / n,
+        "rl/response_length_mean": total["length"] / n,
+        "rl/response_length_max": longest_t.item(),
+        "rl/truncated": total["truncated"] / n,
+        "rl/groups_all_correct": total["groups_all_correct"] / groups,
+        "rl/groups_all_wrong": total["groups_all_wrong"] / groups,
+        "rl/groups_mixed": 1.0 - (total["groups_all_correct"] + total["groups_all_wrong"]) / groups,
+        "rl/filtered_groups": total["filtered_groups"],
+        "rl/num_rollouts": total["num_rollouts"],
+    }
+    out.update({f"rl/reward_{c}": total[f"reward_{c}"] / n for c in components})
+    return out

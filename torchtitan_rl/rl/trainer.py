@@ -1,0 +1,352 @@
+"""The GRPO recipe: sample completions of a task's prompts, reward them with its verifier, and
+train on group advantages with the engine's layout-exact RL loss.
+
+Per step (DESIGN §11): refresh the generator's replica from the policy; take the step's
+prompts from the global stream; every data-parallel rank generates ``group_size`` completions
+of its share (its CP / TP peers split that work and exchange the rollouts); reward and
+compute advantages; optionally recompute the policy's log-probs before the update (π_old) and
+the reference's (KL); then ``ppo_epochs`` passes of ``num_minibatches`` optimizer steps.
+The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
+and devices; the generator knows decoding.
+"""
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.data.chat import tokenize_prompt
+from torchtitan_rl.data.loader import build_sft_dataloader
+from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.engine import Engine
+from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config
+from torchtitan_rl.losses.reduction import NUM_TOKENS
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.rl.advantages import pass_at_k
+from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
+from torchtitan_rl.rl.rollouts import (
+    PromptStream,
+    ScoredGroup,
+    exchange_among_peers,
+    generate_share,
+    is_zero_variance,
+    rank_prompt_slots,
+    rollout_metrics,
+    rollout_sums,
+    score_groups,
+    split_among_peers,
+    to_samples,
+)
+from torchtitan_rl.rl.tasks import build_task
+from torchtitan_rl.trainer import Trainer, build_model, check_divisible_by_data_parallel, compute_dtype
+
+logger = logging.getLogger(__name__)
+
+_GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
+_WARMUP_POOL_SIZE = 4096  # distinct problems of a built-in task for the SFT warm-up, at most
+
+
+class GRPOTrainer(Trainer):
+    def __init__(self, job_config: JobConfig):
+        self.loss_fn = loss_fn_from_config(job_config.loss)
+        rl, generation = job_config.rl, job_config.generation
+        super().__init__(
+            job_config,
+            num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
+            temperature=generation.temperature,
+        )
+        dtype = _GENERATION_DTYPES[generation.dtype] if self.device.type == "cuda" else torch.float32
+        self.generator = TorchGenerator(self.model_args, self.device, dtype, generation.max_prompts_per_batch)
+        self.sampling = SamplingParams(
+            generation.max_new_tokens, generation.temperature, generation.top_k, generation.top_p, self.stop_token_ids
+        )
+        self.stream = PromptStream(len(self.train_prompts), rl.prompts_per_step, job_config.debug.seed)
+        self.reference = self._build_reference() if rl.use_reference else None
+        extra = {"reference": self.reference.model} if self.reference is not None else None
+        self.checkpointer = self.build_checkpointer(self.stream, extra)
+        if self.checkpointer.load():
+            logger.info("resuming after step %d", self.train_state.step)
+            return
+        if rl.sft_warmup_steps and not job_config.checkpoint.initial_load_path:
+            self._sft_warmup()
+        if self.reference is not None:
+            # The reference is the policy RL starts from.
+            with torch.no_grad():
+                for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
+                    ref.copy_(param)
+
+    def load_data(self) -> None:
+        cfg = self.job_config
+        rl, generation = cfg.rl, cfg.generation
+        per_minibatch = rl.prompts_per_step // rl.num_minibatches
+        if per_minibatch % self.parallel_dims.batch_degree != 0:
+            raise ValueError(
+                f"rl.prompts_per_step={rl.prompts_per_step} / rl.num_minibatches={rl.num_minibatches} = "
+                f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
+                f"{self.parallel_dims.batch_degree} (dp_replicate * dp_shard)"
+            )
+        if rl.sft_warmup_steps:
+            check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, self.parallel_dims)
+        num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
+        self.task = build_task(
+            rl.task, path=rl.task_path, num_train=num_train, num_eval=rl.num_eval_prompts,
+            seed=cfg.debug.seed, partial_credit=rl.partial_credit, format_reward=rl.format_reward,
+            answer_match=rl.answer_match,
+        )
+        self.stop_token_ids = tuple(self._stop_token_id(token) for token in generation.stop_tokens)
+        self.train_prompts = [tokenize_prompt(list(p.messages), self.tokenizer) for p in self.task.train_problems]
+        self.eval_prompts = [tokenize_prompt(list(p.messages), self.tokenizer) for p in self.task.eval_problems]
+        problems = [*self.task.train_problems, *self.task.eval_problems]
+        for problem, prompt in zip(problems, [*self.train_prompts, *self.eval_prompts]):
+            if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
+                raise ValueError(
+                    f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
+                    f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
+                )
+
+    def _stop_token_id(self, token: str) -> int:
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
+        return token_id
+
+    def _build_reference(self) -> Engine:
+        """A frozen copy of the policy, sharded like it; used only through ``Engine.forward``."""
+        dims, cfg = self.parallel_dims, self.job_config
+        model = build_model(self.model_args, dims, self.device, cfg.debug.seed, compute_dtype(cfg, self.device))
+        model.requires_grad_(False)
+        return Engine(model, None, None, dims, self.device, self.engine.options, self.engine.autocast_dtype)
+
+    def _sft_warmup(self) -> None:
+        """SFT on the task's own prompts and answers with a throw-away AdamW, so RL starts from
+        a policy that earns rewards sometimes."""
+        cfg = self.job_config
+        rl, o, t = cfg.rl, cfg.optimizer, cfg.training
+        optimizer = build_optimizer(self.engine.model, rl.sft_warmup_lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+        scheduler = build_lr_scheduler(optimizer, rl.sft_warmup_steps, 0, "linear", 0.1)
+        options = dataclasses.replace(self.engine.options, reduction="token_mean", temperature=1.0)
+        engine = Engine(self.engine.model, optimizer, scheduler, self.parallel_dims, self.device, options,
+                        self.engine.autocast_dtype)
+        loader = iter(build_sft_dataloader(
+            self._warmup_rows(), self.tokenizer, t.seq_len, rl.sft_warmup_batch_size, "truncate", cfg.debug.seed,
+            self.parallel_dims.batch_rank(), self.parallel_dims.batch_degree,
+        ))
+        logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
+        for step in range(1, rl.sft_warmup_steps + 1):
+            values = self.metrics.reduce_update(engine.forward_backward(next(loader)), engine.optim_step())
+            if step % cfg.metrics.log_freq == 0 or step == rl.sft_warmup_steps:
+                if self.rank == 0:
+                    logger.info("sft warm-up step: %d  loss: %.5f", step, values["loss_metrics/global_avg_loss"])
+                self.metrics.write_scalars(step, {"sft_warmup/loss": values["loss_metrics/global_avg_loss"]})
+
+    def _warmup_rows(self) -> list[dict]:
+        rl = self.job_config.rl
+        if rl.task == "jsonl":
+            return self.task.sft_rows()
+        # Other problems of the built-in task, none of them an RL or held-out prompt: the warm-up
+        # teaches the format and some skill, RL still has to find the pool's answers.
+        num_rows = min(rl.sft_warmup_steps * rl.sft_warmup_batch_size, _WARMUP_POOL_SIZE)  # the loader repeats them
+        extra = build_task(rl.task, num_train=num_rows, num_eval=0, seed=self.job_config.debug.seed + 1)
+        taken = {p.prompt_key() for p in (*self.task.train_problems, *self.task.eval_problems)}
+        kept = tuple(p for p in extra.train_problems if p.prompt_key() not in taken)
+        return dataclasses.replace(extra, train_problems=kept).sft_rows()
+
+    # ------------------------------------------------------------------ the RL step
+
+    def train(self) -> None:
+        cfg = self.job_config
+        steps = cfg.training.steps
+        first = self.train_state.step + 1
+        logger.info("RL steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
+        for step in range(first, steps + 1):
+            with self.memory_profiler.step(step):
+                values = self.train_step(step)
+            evaluate = cfg.rl.eval_interval and (step % cfg.rl.eval_interval == 0 or step == steps)
+            if evaluate:
+                values.update(self.evaluate(step))
+            self.train_state.step = step
+            self.metrics.emit(step, values, values.pop("tokens/trained"), 0.0, values["time/step_s"], {})
+            self.checkpointer.maybe_save(step, last=step == steps)
+        self.checkpointer.wait()
+        self.metrics.close()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg = self.job_config
+        rl = cfg.rl
+        dims = self.parallel_dims
+        times: dict[str, float] = {}
+        start = time.perf_counter()
+        with _timed(times, "weight_sync"):
+            self.generator.update_weights(self.engine.model)
+        problem_ids = self.stream.next_step()
+        slots_by_minibatch = rank_prompt_slots(rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree)
+        rollouts, num_generated = self._generate([s for mb in slots_by_minibatch for s in mb], problem_ids, step, times)
+
+        with _timed(times, "reward"):
+            rewards = [self.task.reward(self.task.train_problems[problem_ids[r.prompt_index]], *self._completion(r))
+                       for r in rollouts]
+            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
+        kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
+        values = rollout_metrics(*rollout_sums(groups, len(groups) - len(kept)), dims.mesh("batch"))
+        minibatches = self._minibatch_samples(kept, slots_by_minibatch)
+
+        all_samples = [s for mb in minibatches for s in mb]
+        if self.reference is not None:
+            with _timed(times, "reference"):
+                for sample, logprobs in zip(all_samples, self.reference.forward(all_samples).logprobs):
+                    sample.ref_logprobs = logprobs
+        if rl.ppo_epochs > 1 or rl.num_minibatches > 1:
+            # Later updates move the policy away from the sampler's weights: the ratio's
+            # denominator is the policy before this step's first update.
+            with _timed(times, "old_logprobs"):
+                values.update(self._recompute_old_logprobs(all_samples))
+
+        with _timed(times, "train"):
+            updates, terms, num_trained = self._update(minibatches)
+        values.update(_combine_updates(updates) or self._no_update_values())
+        if terms:
+            merged = LossMetrics.combine(terms).reduce(dims.mesh("loss"))
+            values.update({tag: float(value) for tag, value in merged.items()})
+        if "rl/sampler_logprob_diff_mean" not in values and "rl/logprob_diff_mean" in values:
+            # One update at the sampler's weights: its |logp - logp_sampler| is the mismatch.
+            values["rl/sampler_logprob_diff_mean"] = values["rl/logprob_diff_mean"]
+            values["rl/sampler_logprob_diff_max"] = values["rl/logprob_diff_max"]
+        values.update({f"time/{phase}_s": seconds for phase, seconds in times.items()})
+        values["time/step_s"] = time.perf_counter() - start
+        values["throughput/generate_tps"] = num_generated / max(times["generate"], 1e-9)
+        values["throughput/train_tps"] = num_trained / dims.world_size / max(times["train"], 1e-9)
+        values["tokens/trained"] = float(num_trained)
+        return values
+
+    def _generate(self, slots: list[int], problem_ids: list[int], step: int, times: dict) -> tuple[list[Rollout], int]:
+        """This rank's rollouts of ``slots`` (identical on its CP / TP peers) and the tokens it generated."""
+        peer_mesh = self.parallel_dims.mesh("cp_tp")
+        with _timed(times, "generate"):
+            local = generate_share(
+                self.generator, [self.train_prompts[i] for i in problem_ids], slots, self.job_config.rl.group_size,
+                self.sampling, self.job_config.generation.seed, step, peer_mesh,
+            )
+        with _timed(times, "exchange"):
+            rollouts = exchange_among_peers(local, peer_mesh)
+        return rollouts, sum(len(r.completion_tokens) for r in local)
+
+    def _completion(self, rollout: Rollout) -> tuple[str, bool]:
+        """The completion's text without its stop token, and whether it stopped.
+
+        The model's vocabulary may be larger than the tokenizer's (padding rows it can still
+        sample): such an id reads as U+FFFD, so an answer containing one is wrong, never
+        silently shortened into a right one.
+        """
+        stopped = rollout.stop_reason == "stop"
+        tokens = rollout.completion_tokens[:-1] if stopped else rollout.completion_tokens
+        pieces, run = [], []
+        for token in tokens:
+            if token < self.tokenizer.vocab_size:
+                run.append(token)
+                continue
+            pieces += [self.tokenizer.decode(run), "\ufffd"]
+            run = []
+        return "".join(pieces) + self.tokenizer.decode(run), stopped
+
+    def _minibatch_samples(self, groups: list[ScoredGroup], slots_by_minibatch: list[list[int]]) -> list[list[Sample]]:
+        minibatch_of = {slot: m for m, slots in enumerate(slots_by_minibatch) for slot in slots}
+        minibatches: list[list[ScoredGroup]] = [[] for _ in slots_by_minibatch]
+        for group in groups:
+            minibatches[minibatch_of[group.slot]].append(group)
+        return [to_samples(mb, self.job_config.training.seq_len) for mb in minibatches]
+
+    def _recompute_old_logprobs(self, samples: list[Sample]) -> dict[str, float]:
+        """Replace the sampler's log-probs by the policy's (same weights, trainer numerics) and
+        return the sampler-trainer mismatch over completion tokens."""
+        old = self.engine.forward(samples).logprobs
+        deltas = [torch.zeros(0, dtype=torch.float64)]
+        for sample, logprobs in zip(samples, old):
+            logprobs = logprobs.cpu().float()
+            deltas.append((logprobs - sample.sampler_logprobs)[sample.loss_mask].abs().double())
+            sample.sampler_logprobs = torch.where(sample.loss_mask, logprobs, 0.0)
+        delta = torch.cat(deltas)
+        sums = torch.tensor([delta.sum(), delta.numel()], dtype=torch.float64)
+        largest = delta.max(dim=0, keepdim=True).values if delta.numel() else torch.zeros(1, dtype=torch.float64)
+        batch = self.parallel_dims.mesh("batch")
+        if batch is not None:
+            dist.all_reduce(sums, group=batch.get_group())
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=batch.get_group())
+        return {
+            "rl/sampler_logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1)),
+            "rl/sampler_logprob_diff_max": float(largest[0]),
+        }
+
+    def _update(self, minibatches: list[list[Sample]]) -> tuple[list[dict[str, float]], list[LossMetrics], int]:
+        """``ppo_epochs`` passes of one optimizer step per mini-batch; a mini-batch that is empty
+        on every rank (all its groups filtered) is skipped, not stepped with a zero gradient."""
+        rl = self.job_config.rl
+        counts = torch.tensor([len(mb) for mb in minibatches], dtype=torch.int64)
+        batch = self.parallel_dims.mesh("batch")
+        if batch is not None:
+            dist.all_reduce(counts, group=batch.get_group())
+        updates, terms, num_trained = [], [], 0
+        for _ in range(rl.ppo_epochs):
+            for samples, count in zip(minibatches, counts.tolist()):
+                if count == 0:
+                    continue
+                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options)
+                updates.append(self.metrics.reduce_update(fb, self.engine.optim_step(), with_terms=False))
+                terms.append(fb.terms)
+                num_trained += int(fb.counts[NUM_TOKENS])
+        return updates, terms, num_trained
+
+    def _no_update_values(self) -> dict[str, float]:
+        return {"loss_metrics/global_avg_loss": 0.0, "loss_metrics/global_max_loss": 0.0, "grad_norm": 0.0,
+                "lr": self.engine.lr_scheduler.get_last_lr()[0]}
+
+    # ------------------------------------------------------------------ evaluation
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Greedy pass@1 and sampled pass@k on the held-out prompts, split over all ranks."""
+        k = self.job_config.rl.eval_num_samples
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        indices = split_among_peers(list(range(len(self.eval_prompts))), self.rank, world)
+        prompts = [self.eval_prompts[i] for i in indices]
+        seed = self.job_config.generation.seed
+        start = time.perf_counter()
+        # Step -step: evaluation draws its own random numbers, never a training rollout's.
+        greedy = self.generator.generate(prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step)
+        sampled = self.generator.generate(prompts, indices, k, self.sampling, seed, -step)
+        sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
+        for i, index in enumerate(indices):
+            problem = self.task.eval_problems[index]
+            correct = [self.task.reward(problem, *self._completion(r)).correct for r in sampled[i * k : (i + 1) * k]]
+            sums += torch.tensor([1.0, float(self.task.reward(problem, *self._completion(greedy[i])).correct),
+                                  pass_at_k(k, sum(correct), k), sum(correct) / k], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        n = float(sums[0].clamp(min=1))
+        return {"eval/pass@1": float(sums[1]) / n, f"eval/pass@{k}": float(sums[2]) / n,
+                "eval/sampled_pass@1": float(sums[3]) / n, "time/eval_s": time.perf_counter() - start}
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], phase: str):
+    start = time.perf_counter()
+    yield
+    times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
+
+
+def _combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """One step's values from its optimizer steps (loss, grad norm, lr, token counts): token
+    counts add up, the largest loss stays the largest, everything else is the mean."""
+    combined = {}
+    for tag in updates[0] if updates else ():
+        values = [u[tag] for u in updates]
+        if tag.startswith("tokens/"):
+            combined[tag] = sum(values)
+        elif tag == "loss_metrics/global_max_loss":
+            combined[tag] = max(values)
+        else:
+            combined[tag] = sum(values) / len(values)
+    return combined
