@@ -26,6 +26,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmark_docs import publish  # noqa: E402
 from torchtitan_rl.losses.logprobs import token_logprobs  # noqa: E402
 from torchtitan_rl.models.attention import build_attention_context, packed_attention  # noqa: E402
 
@@ -121,16 +122,7 @@ def main() -> None:
         f"largest fp32 logits buffer {4096 * 32768 * 4 / 2**20:.0f} MiB vs {1024 * 32768 * 4 / 2**20:.0f} MiB.",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        path = os.path.join(ROOT, "docs", "benchmarks.md")
-        if not os.path.exists(path):
-            with open(path, "w") as f:
-                f.write("# Benchmarks\n\nFigures measured by `scripts/benchmark.py`; newest last. Ratios are "
-                        "measured within one run, alternating the variants, because the machines are shared.\n\n")
-        with open(path, "a") as f:
-            f.write(text + "\n")
+    publish(lines, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ from dataclasses import replace
 
 import torch
 
-from benchmark_loss_path import ROOT, launch
+from benchmark_docs import publish
+from benchmark_loss_path import launch
 
 VARIANTS = ("local", "local_unchunked", "gather")
 PARTS = ("loss", "step")
@@ -338,11 +339,7 @@ def main() -> None:
                   f"{args.vocab}, `{args.attn_backend}` attention, parameters FSDP-sharded over cp):", ""]
         lines += table("step", results, args.cp, args) + [""]
     lines += target_lines(results, args.cp)
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write("\n" + text)
+    publish(lines, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmark_docs import publish  # noqa: E402
 from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator  # noqa: E402
@@ -89,11 +90,7 @@ def main() -> None:
         f"- `kv_cache` / `no_cache` throughput: {median['no_cache'] / median['kv_cache']:.1f}×.",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write("\n" + text)
+    publish(lines, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ except ModuleNotFoundError:  # Python 3.10
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmark_docs import publish  # noqa: E402
 from scripts.plot_curves import series, svg_chart  # noqa: E402
 from torchtitan_rl.tensorboard_io import read_scalars  # noqa: E402
 
@@ -103,14 +104,11 @@ def main() -> None:
         "Plots: [reward per step](grpo_reward.svg), [reward vs time](grpo_reward_vs_time.svg).",
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
+    publish(lines, write=not args.no_write)
     if not args.no_write:
         for name, svg in charts.items():
             with open(os.path.join(ROOT, "docs", name), "w") as f:
                 f.write(svg)
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write("\n" + text)
 
 
 if __name__ == "__main__":

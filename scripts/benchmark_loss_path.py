@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from benchmark_docs import publish
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 151936  # Qwen3
 
@@ -157,11 +159,7 @@ def main() -> None:
                  else f"{chunked['peak_gib'] / unchunked['peak_gib']:.3f}")
         lines.append(f"| {tokens} | {tp} | {fmt(chunked)} | {fmt(unchunked)} | {ratio} |")
     lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write(text + "\n")
+    publish(lines, write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmark_docs import publish  # noqa: E402
 from torchtitan_rl.data.sample import Sample  # noqa: E402
 from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
@@ -129,11 +130,7 @@ def main() -> None:
           for name in LOSSES if name != base],
         "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if not args.no_write:
-        with open(os.path.join(ROOT, "docs", "benchmarks.md"), "a") as f:
-            f.write("\n" + text)
+    publish(lines, write=not args.no_write)
 
 
 if __name__ == "__main__":
