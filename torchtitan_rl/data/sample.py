@@ -8,6 +8,9 @@ import torch
 # Optional per-token RL inputs of a sample, each aligned with ``labels`` (value t belongs to
 # the prediction of labels[t]), float32.
 RL_TOKEN_INPUTS = ("advantages", "sampler_logprobs", "ref_logprobs")
+# Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
+# not a log-probability (e.g. probabilities or logits passed by mistake).
+_MAX_LOGPROB = math.log1p(1e-2)
 
 
 @dataclass
@@ -78,8 +81,3 @@ def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | 
                 t = int(value.argmax())
                 return f"{where}: {name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"
     return None
-
-
-# Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
-# not a log-probability (e.g. probabilities or logits passed by mistake).
-_MAX_LOGPROB = math.log1p(1e-2)
