@@ -1,7 +1,13 @@
 import pytest
 from test_tokenizer import make_hf_tokenizer_dir
 
-from torchtitan_rl.data.chat import render_chat, tokenize_prompt, tokenize_row
+from torchtitan_rl.data.chat import (
+    insert_placeholders,
+    render_chat,
+    tokenize_prompt,
+    tokenize_row,
+    tokenize_row_with_images,
+)
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -135,3 +141,136 @@ def test_prompt_accepts_tuples_and_rejects_assistant_turns():
         tokenize_prompt(CONVERSATION[:3], tokenizer)
     with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
         tokenize_prompt([{"role": "tool", "content": "x"}], tokenizer)
+
+
+# ---------------------------------------------------------------- rows with images
+
+IMAGE_ROW = {
+    "messages": [
+        {"role": "system", "content": "Look closely."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "First "},
+                {"type": "image", "image": "img/a.png"},
+                {"type": "text", "text": " then "},
+                {"type": "image", "image": b"\x89PNG bytes"},
+                {"type": "text", "text": "?"},
+            ],
+        },
+        {"role": "assistant", "content": "red"},
+    ]
+}
+# The same conversation with the images' places marked in plain text.
+MARKED_TEXT = "First @ then @?"
+
+
+def text_with_markers(tokens: list[int], images, tokenizer) -> str:
+    """Decodes the tokens with '@' where each image's placeholders go."""
+    pieces, previous = [], 0
+    for image in images:
+        pieces += [tokenizer.decode(tokens[previous : image.position]), "@"]
+        previous = image.position
+    return "".join(pieces) + tokenizer.decode(tokens[previous:])
+
+
+def test_content_parts_give_image_positions_and_the_text_template(tokenizer):
+    row = tokenize_row_with_images(IMAGE_ROW, tokenizer)
+    assert [image.source for image in row.images] == ["img/a.png", b"\x89PNG bytes"]
+    assert [image.where for image in row.images] == ["image 0 (message 1 part 1)", "image 1 (message 1 part 3)"]
+    text_only = [{**m, "content": MARKED_TEXT} if m["role"] == "user" else m for m in IMAGE_ROW["messages"]]
+    assert text_with_markers(row.tokens, row.images, tokenizer) == render_chat(text_only)
+    spans = [tokenizer.decode(span) for span in masked_spans(row.tokens, row.target_mask)]
+    assert spans == ["red<|im_end|>"]
+
+
+def test_image_marker_form_matches_content_parts(tokenizer):
+    marked = {
+        "messages": [
+            IMAGE_ROW["messages"][0],
+            {"role": "user", "content": "First <image> then <image>?"},
+            IMAGE_ROW["messages"][2],
+        ],
+        "images": ["img/a.png", b"\x89PNG bytes"],
+    }
+    by_marker = tokenize_row_with_images(marked, tokenizer)
+    by_parts = tokenize_row_with_images(IMAGE_ROW, tokenizer)
+    assert by_marker.tokens == by_parts.tokens and by_marker.target_mask == by_parts.target_mask
+    assert [(i.source, i.position) for i in by_marker.images] == [(i.source, i.position) for i in by_parts.images]
+    assert by_marker.images[1].where == "image 1 (message 1, images[1])"
+
+
+def test_image_marker_in_prompt_and_text_rows():
+    tokenizer = ByteTokenizer()
+    row = tokenize_row_with_images({"prompt": "<image>Q", "completion": "A", "images": ["x.png"]}, tokenizer)
+    assert row.tokens == tokenizer.encode("QA") + [tokenizer.eos_id]
+    assert [(i.source, i.position) for i in row.images] == [("x.png", 0)]
+    row = tokenize_row_with_images({"text": "a<image>b", "images": ["x.png"]}, tokenizer)
+    assert row.tokens == tokenizer.encode("ab") + [tokenizer.eos_id] and all(row.target_mask)
+    assert row.images[0].position == 1
+    # Without a top-level 'images' list, '<image>' is just text: text rows are unchanged.
+    assert tokenize_row({"text": "a<image>b"}, tokenizer)[0] == tokenizer.encode("a<image>b") + [tokenizer.eos_id]
+
+
+def test_insert_placeholders_never_trains_image_tokens():
+    tokenizer = ByteTokenizer()
+    row = tokenize_row_with_images({"text": "a<image>b<image>", "images": ["1.png", "2.png"]}, tokenizer)
+    tokens, mask, starts = insert_placeholders(row, [[900, 901], [902]])
+    assert tokens == [ord("a"), 900, 901, ord("b"), 902, tokenizer.eos_id]
+    assert mask == [True, False, False, True, False, True]
+    assert starts == [1, 4]
+    with pytest.raises(ValueError, match="1 placeholder lists for 2 images"):
+        insert_placeholders(row, [[900]])
+
+
+def test_relative_image_paths_resolve_against_the_rows_directory(tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "image", "image": "img/1.png"},
+                {"type": "image", "image": "/abs/2.png"},
+                {"type": "image", "image": {"bytes": None, "path": "img/3.png"}},
+                {"type": "image", "path": "4.png"},
+            ]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    sources = [i.source for i in tokenize_row_with_images(row, ByteTokenizer(), base_dir=str(tmp_path)).images]
+    assert sources == [str(tmp_path / "img/1.png"), "/abs/2.png", {"bytes": None, "path": str(tmp_path / "img/3.png")}, str(tmp_path / "4.png")]
+    # No base directory (in-memory rows): relative to the working directory, i.e. left as given.
+    assert tokenize_row_with_images(row, ByteTokenizer()).images[0].source == "img/1.png"
+
+
+@pytest.mark.parametrize(
+    "row, reason",
+    [
+        ({"text": "<image><image>", "images": ["a.png"]}, "2 '<image>' markers but its 'images' list has 1"),
+        ({"text": "no marker", "images": ["a.png"]}, "0 '<image>' markers but its 'images' list has 1"),
+        ({"text": "<image>", "images": "a.png"}, "'images' must be a list"),
+        ({"prompt": "q", "completion": "<image>", "images": ["a.png"]}, "completion, images[0]: an image in text the model learns"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]},
+            "message 1 part 0: an image in text the model learns",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "images": ["b.png"]},
+            "both a top-level 'images' list and content parts",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}]}, "message 0: every content part"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x"}]}]}, "an image part needs an 'image'"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "a text part needs a string 'text'"),
+    ],
+)
+def test_invalid_image_rows_name_the_cause(row, reason):
+    with pytest.raises(ValueError) as excinfo:
+        tokenize_row_with_images(row, ByteTokenizer())
+    assert reason in str(excinfo.value)
+
+
+def test_text_paths_refuse_images():
+    with pytest.raises(ValueError, match="has 2 image"):
+        tokenize_row(IMAGE_ROW, ByteTokenizer())
+    with pytest.raises(ValueError, match="string 'content'"):
+        render_chat(IMAGE_ROW["messages"])
+    with pytest.raises(ValueError, match="string 'content'"):
+        tokenize_prompt(IMAGE_ROW["messages"][:2], ByteTokenizer())

@@ -5,7 +5,7 @@ import re
 import pytest
 
 from torchtitan_rl.data.chat import tokenize_prompt, tokenize_row
-from torchtitan_rl.data.tasks import BUILTIN_TASKS
+from torchtitan_rl.data.tasks import BUILTIN_TASKS, IMAGE_TASKS
 from torchtitan_rl.data.tokenizer import ByteTokenizer
 from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, build_task
 
@@ -298,4 +298,5 @@ def test_unused_or_invalid_options_are_rejected(name, options, match):
 
 def test_registry_names():
     assert sorted(TASKS) == ["arithmetic", "jsonl", "reverse"]
-    assert set(TASKS) - {"jsonl"} == set(BUILTIN_TASKS)
+    # Every text SFT task is an RL task; image tasks are SFT-only (the generator has no vision input).
+    assert set(TASKS) - {"jsonl"} == set(BUILTIN_TASKS) - set(IMAGE_TASKS)

@@ -4,7 +4,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from torchtitan_rl.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from torchtitan_rl.data.tokenizer import ByteTokenizer, HFTokenizer, ImageTokenIds, build_tokenizer, image_token_ids
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TRAINING_TEXTS = [
@@ -51,7 +51,7 @@ def test_byte_tokenizer_round_trip(text):
 
 def test_byte_tokenizer_special_ids_and_decoding():
     tokenizer = ByteTokenizer()
-    assert (tokenizer.eos_id, tokenizer.im_start_id, tokenizer.im_end_id, tokenizer.vocab_size) == (256, 257, 258, 259)
+    assert (tokenizer.eos_id, tokenizer.im_start_id, tokenizer.im_end_id, tokenizer.vocab_size) == (256, 257, 258, 262)
     # "é" is two bytes; a special token between text pieces must not break the multi-byte run around it.
     ids = [257] + tokenizer.encode("é") + [258, 256]
     assert tokenizer.decode(ids) == "<|im_start|>é<|im_end|><|endoftext|>"
@@ -63,8 +63,33 @@ def test_byte_tokenizer_invalid_utf8_and_ids():
     tokenizer = ByteTokenizer()
     first_byte_of_e_acute = "é".encode("utf-8")[0]
     assert tokenizer.decode([ord("a"), first_byte_of_e_acute, ord("b")]) == "a\ufffdb"
-    with pytest.raises(ValueError, match="259"):
-        tokenizer.decode([259])
+    with pytest.raises(ValueError, match="262"):
+        tokenizer.decode([262])
+
+
+def test_byte_tokenizer_image_tokens():
+    tokenizer = ByteTokenizer()
+    ids = image_token_ids(tokenizer)
+    assert ids == ImageTokenIds(image=259, image_break=260, image_end=261)
+    assert [tokenizer.token_to_id(t) for t in ["<|endoftext|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]] == [256, 259, 260, 261]
+    assert tokenizer.token_to_id("[IMG_START]") is None
+    assert tokenizer.decode([259, 259, 260, 259, 259, 261]) == "[IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]"
+    # Placeholder strings typed in text stay bytes: only the loader inserts image tokens.
+    assert not set(tokenizer.encode("[IMG][IMG_END]")) & {259, 260, 261}
+
+
+def test_image_token_ids_from_configured_strings(tmp_path):
+    with pytest.raises(ValueError, match=r"image_end_token='<img_end>'"):
+        image_token_ids(ByteTokenizer(), image_end_token="<img_end>")
+    with pytest.raises(ValueError, match="three different tokens"):
+        image_token_ids(ByteTokenizer(), image_break_token="[IMG]")
+    # An HF tokenizer: ids are whatever tokenizer.json assigns; a text tokenizer has none (error only when asked).
+    directory = make_hf_tokenizer_dir(tmp_path / "vlm", SPECIAL_TOKENS + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    tokenizer = HFTokenizer(str(directory))
+    reference = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    assert image_token_ids(tokenizer) == ImageTokenIds(*(reference.token_to_id(t) for t in ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]))
+    with pytest.raises(ValueError, match=r"image_token='\[IMG\]'"):
+        image_token_ids(HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "text"))))
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS[:-1])

@@ -1,10 +1,11 @@
 """Load the raw rows of a training set: local files, a built-in task, or a hub dataset already cached.
 
+JSON / JSONL files are read by ``data.rows`` (rows keep their file and line; relative image
+paths resolve against the row's file); parquet files and hub datasets go through ``datasets``.
 Nothing is ever downloaded: offline mode is forced before ``datasets`` is imported, so a name
 that is not in the local HF cache is an error rather than a silent network access.
 """
 
-import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -17,9 +18,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import datasets  # noqa: E402  (must see the offline switches above at import time)
 import pyarrow.parquet as pq  # noqa: E402
 
+from torchtitan_rl.data.rows import read_json_files  # noqa: E402
 from torchtitan_rl.data.tasks import BUILTIN_TASKS  # noqa: E402
 
-# Extension → `datasets` builder that reads it.
+# Extension → format family; the files of one dataset must share it.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -40,64 +42,29 @@ def _data_files(dataset_path: str) -> list[Path]:
     return files
 
 
-def _has_no_rows(file: Path) -> bool:
-    if file.suffix == ".parquet":
-        return pq.ParquetFile(file).metadata.num_rows == 0
-    return file.read_text(encoding="utf-8", errors="replace").strip() in ("", "[]")
-
-
-def _first_malformed_line(file: Path) -> tuple[int, str] | None:
-    """``(1-based line, reason)`` of the first line that is not a JSON object, or None."""
-    text = file.read_text(encoding="utf-8", errors="replace")
-    if text.lstrip().startswith("["):
-        # One JSON array document: its parser knows the line of the syntax error.
-        try:
-            json.loads(text)
-        except json.JSONDecodeError as err:
-            return err.lineno, err.msg
-        return None
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            return line_number, err.msg
-        if not isinstance(value, dict):
-            return line_number, f"expected a JSON object, got {type(value).__name__}"
-    return None
-
-
-def _explain_load_failure(files: list[Path], err: Exception) -> ValueError:
-    """`datasets` errors name neither the file nor the line; find the culprit ourselves."""
-    empty_files = [str(f) for f in files if _has_no_rows(f)]
-    if empty_files:
-        return ValueError(f"dataset file {empty_files[0]!r} is empty (no rows); remove it or fill it")
-    for file in files:
-        if file.suffix != ".parquet":
-            malformed = _first_malformed_line(file)
-            if malformed is not None:
-                line_number, reason = malformed
-                return ValueError(f"malformed JSON in {str(file)!r} at line {line_number}: {reason}")
-    cause = f"{err}: {err.__cause__}" if err.__cause__ is not None else str(err)
-    return ValueError(f"could not load dataset files {[str(f) for f in files]}: {cause}")
-
-
-def _load_files(dataset_path: str) -> datasets.Dataset:
-    files = _data_files(dataset_path)
+def _load_parquet(files: list[Path]) -> datasets.Dataset:
+    empty = [str(f) for f in files if pq.ParquetFile(f).metadata.num_rows == 0]
+    if empty:
+        raise ValueError(f"dataset file {empty[0]!r} is empty (no rows); remove it or fill it")
     # A private cache dir per call: concurrent ranks loading the same files never share (or race on)
     # datasets' on-disk arrow cache, and keep_in_memory means nothing is read from it afterwards.
     with tempfile.TemporaryDirectory(prefix="torchtitan_rl_data_") as cache_dir:
         try:
             return datasets.load_dataset(
-                _BUILDERS[files[0].suffix],
-                data_files=[str(f) for f in files],
-                split="train",
-                keep_in_memory=True,
-                cache_dir=cache_dir,
+                "parquet", data_files=[str(f) for f in files], split="train", keep_in_memory=True, cache_dir=cache_dir
             )
-        except Exception as err:  # noqa: BLE001  (re-raised below with the file and line that caused it)
-            raise _explain_load_failure(files, err) from err
+        except Exception as err:  # noqa: BLE001  (re-raised with the files, as datasets' errors do not name them)
+            cause = f"{err}: {err.__cause__}" if err.__cause__ is not None else str(err)
+            raise ValueError(f"could not load dataset files {[str(f) for f in files]}: {cause}") from err
+
+
+def _load_files(dataset_path: str) -> Sequence[dict[str, Any]]:
+    files = _data_files(dataset_path)
+    if files[0].suffix == ".parquet":
+        return _load_parquet(files)
+    # JSON goes through our reader: it keeps each row's file and line (errors, image paths) and
+    # accepts columns whose type varies between rows, which Arrow cannot.
+    return read_json_files(files)
 
 
 def _load_hub(name: str, split: str) -> datasets.Dataset:
@@ -114,7 +81,7 @@ def _load_hub(name: str, split: str) -> datasets.Dataset:
 def load_rows(
     dataset: str, dataset_path: str, split: str, num_synthetic_samples: int, seed: int
 ) -> Sequence[dict[str, Any]]:
-    """The rows of the training set, indexable by position.
+    """The rows of the training set, indexable by position (``data.rows.FileRows`` for JSON files).
 
     ``dataset_path`` (a file or a directory of files, all one split) wins over ``dataset``,
     which names a built-in task (``num_synthetic_samples`` rows from ``seed``) or a cached

@@ -1,8 +1,10 @@
-"""The SFT step loader: each step, this rank's contiguous share of the next global mini-batch.
+"""The SFT step loader: each step, this rank's share of the next global mini-batch.
 
 All ranks walk the same global sample stream and tokenize every sample of each global
 mini-batch, so the mini-batch (and which samples are dropped) does not depend on the number
 of data-parallel ranks; that is what makes global loss normalization layout-independent.
+Images are sized from their headers for every sample (their placeholders count as tokens)
+but decoded only for the rank's own share (``data.vision_samples``).
 """
 
 import logging
@@ -13,14 +15,20 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan_rl.data.chat import tokenize_row
+from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance, sample_cost
+from torchtitan_rl.data.rows import row_base_dir, row_where
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import Tokenizer
+from torchtitan_rl.data.vision_samples import PlannedSample, RowPlanner, VisionDataConfig, build_sample
 
 logger = logging.getLogger(__name__)
 
 LONG_SAMPLE_POLICIES = ("truncate", "drop")
 _COUNTERS = ("num_samples", "num_truncated", "num_dropped", "num_too_short", "num_without_loss_tokens")
+# Only with a vision config, so text runs log and checkpoint exactly what they did before:
+# num_images: images of the samples kept; num_dropped_image_cut: samples longer than seq_len
+# that the truncate policy dropped because the cut would split an image.
+_VISION_COUNTERS = ("num_images", "num_dropped_image_cut")
 
 
 class SFTDataLoader(IterableDataset):
@@ -29,7 +37,14 @@ class SFTDataLoader(IterableDataset):
     The global stream visits the rows in a fresh ``torch.randperm`` order every epoch (seeded
     with ``seed + epoch``) and repeats forever; each global mini-batch takes the next
     ``global_batch_size`` usable samples and rank ``batch_rank`` keeps the slice
-    ``[batch_rank * share, (batch_rank + 1) * share)``.
+    ``[batch_rank * share, (batch_rank + 1) * share)`` — or, with ``balance_dp_compute``,
+    the samples ``data.balance.assign_to_ranks`` gives it by estimated compute (ranks may
+    then get different numbers of samples, each at least one, in global order).
+
+    ``vision`` (None for text models) sets how images are sized and normalized; a row with
+    images and no ``vision`` is an error. Under the truncate policy a too-long sample is cut
+    only when the cut falls after its last image placeholder; otherwise it is dropped and
+    counted in ``num_dropped_image_cut``.
     """
 
     def __init__(
@@ -42,6 +57,8 @@ class SFTDataLoader(IterableDataset):
         seed: int,
         batch_rank: int,
         batch_degree: int,
+        vision: VisionDataConfig | None = None,
+        balance_dp_compute: bool = False,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -65,12 +82,18 @@ class SFTDataLoader(IterableDataset):
         self.long_sample_policy = long_sample_policy
         self.seed = seed
         self.batch_rank = batch_rank
+        self.batch_degree = batch_degree
         self.share = global_batch_size // batch_degree
+        self.vision = vision
+        self.balance_dp_compute = balance_dp_compute
+        self._planner = RowPlanner(tokenizer, vision)
+        self._counter_names = _COUNTERS + (_VISION_COUNTERS if vision is not None else ())
+        self._balance_stats: dict[str, float] = {}
 
         self._epoch = 0
         self._position = 0  # index of the next row to visit in this epoch's permutation
         self._num_usable_in_epoch = 0
-        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._counters = dict.fromkeys(self._counter_names, 0)
         self._order = self._epoch_order()
         self._warned_no_loss_tokens = False
 
@@ -90,38 +113,51 @@ class SFTDataLoader(IterableDataset):
         self._num_usable_in_epoch = 0
         self._order = self._epoch_order()
 
-    def _next_usable(self) -> tuple[list[int], list[bool]]:
+    def _next_usable(self) -> PlannedSample:
         while True:
             if self._position == len(self._order):
                 self._advance_epoch()
             row_index = self._order[self._position]
             self._position += 1
-            try:
-                tokens, target_mask = tokenize_row(self.rows[row_index], self.tokenizer)
-            except ValueError as err:
-                raise ValueError(f"dataset row {row_index}: {err}") from err
-            if len(tokens) < 2:
+            planned = self._planner.plan_row(
+                self.rows[row_index], row_index, row_where(self.rows, row_index), row_base_dir(self.rows, row_index)
+            )
+            budget = self.vision.max_patches_per_microbatch if self.vision is not None else 0
+            if budget and planned.num_patches > budget:
+                raise ValueError(
+                    f"{planned.where}: its {len(planned.images)} image(s) have {planned.num_patches} vision patches, "
+                    f"more than training.max_patches_per_microbatch={budget} (samples are never split)"
+                )
+            num_tokens = len(planned.tokens)
+            if num_tokens < 2:
                 self._counters["num_too_short"] += 1
                 continue
-            if len(tokens) - 1 > self.seq_len:
+            if num_tokens - 1 > self.seq_len:
                 if self.long_sample_policy == "drop":
                     self._counters["num_dropped"] += 1
                     continue
+                # Every placeholder must be an input token (inputs are tokens[:seq_len]), or the
+                # image's features would have nowhere to go.
+                if planned.images_end > self.seq_len:
+                    self._counters["num_dropped_image_cut"] += 1
+                    continue
                 self._counters["num_truncated"] += 1
-                tokens, target_mask = tokens[: self.seq_len + 1], target_mask[: self.seq_len + 1]
-            if not any(target_mask[1:]):
+                planned = planned.truncated(self.seq_len + 1)
+            if not any(planned.target_mask[1:]):
                 # Kept on purpose: it carries zero loss weight but still counts as a sample of the batch.
                 self._counters["num_without_loss_tokens"] += 1
             self._counters["num_samples"] += 1
+            if self.vision is not None:
+                self._counters["num_images"] += len(planned.images)
             self._num_usable_in_epoch += 1
-            return tokens, target_mask
+            return planned
 
     def __iter__(self) -> "SFTDataLoader":
         return self
 
     def __next__(self) -> list[Sample]:
         global_batch = [self._next_usable() for _ in range(self.global_batch_size)]
-        if not self._warned_no_loss_tokens and not any(any(mask[1:]) for _, mask in global_batch):
+        if not self._warned_no_loss_tokens and not any(any(p.target_mask[1:]) for p in global_batch):
             self._warned_no_loss_tokens = True
             logger.warning(
                 "a global mini-batch of %d samples has no loss tokens at all (e.g. prompts truncated "
@@ -129,11 +165,36 @@ class SFTDataLoader(IterableDataset):
                 self.global_batch_size,
                 self.stats(),
             )
-        start = self.batch_rank * self.share
-        return [Sample.from_tokens(tokens, mask) for tokens, mask in global_batch[start : start + self.share]]
+        mine = self._assign(global_batch)[self.batch_rank]
+        # Pixels only for this rank's share: decoding is the expensive part of an image.
+        return [build_sample(global_batch[i], self.vision) for i in mine]
+
+    def _assign(self, global_batch: list[PlannedSample]) -> list[list[int]]:
+        """Per DP rank, the global-batch indices it trains; records both splits' imbalance."""
+        costs = [sample_cost(len(p.tokens) - 1, p.num_patches) for p in global_batch]
+        contiguous = contiguous_split(len(global_batch), self.batch_degree)
+        balanced = assign_to_ranks(costs, self.batch_degree)
+        chosen = balanced if self.balance_dp_compute else contiguous
+        self._balance_stats = {
+            "dp_cost_imbalance": imbalance(costs, chosen),
+            "dp_cost_imbalance_contiguous": imbalance(costs, contiguous),
+            "dp_cost_imbalance_balanced": imbalance(costs, balanced),
+        }
+        return chosen
+
+    def balance_stats(self) -> dict[str, float]:
+        """The last mini-batch's slowest-rank cost over the mean rank cost (``data.balance``
+        cost model; 1.0 is perfect): ``dp_cost_imbalance`` of the split used, and of the
+        contiguous and the balanced split (whichever is in use). Identical on every rank."""
+        return dict(self._balance_stats)
 
     def stats(self) -> dict[str, int]:
-        """Global counters (identical on every rank) over all samples visited so far."""
+        """Global counters (identical on every rank) over all samples visited so far.
+
+        num_samples (kept), num_truncated, num_dropped (too long, drop policy), num_too_short
+        (fewer than 2 tokens), num_without_loss_tokens (kept, zero weight); with ``vision``
+        also num_images and num_dropped_image_cut (see the class docstring).
+        """
         return dict(self._counters)
 
     def state_dict(self) -> dict[str, Any]:
@@ -149,7 +210,10 @@ class SFTDataLoader(IterableDataset):
         self._epoch = state_dict["epoch"]
         self._position = state_dict["position"]
         self._num_usable_in_epoch = state_dict["num_usable_in_epoch"]
-        self._counters = {name: state_dict[name] for name in _COUNTERS}
+        # A checkpoint of a text run has no vision counters: they start from 0.
+        self._counters = {
+            name: state_dict[name] if name in _COUNTERS else state_dict.get(name, 0) for name in self._counter_names
+        }
         self._order = self._epoch_order()
 
 
@@ -167,9 +231,12 @@ def build_sft_dataloader(
     seed: int,
     batch_rank: int,
     batch_degree: int,
+    vision: VisionDataConfig | None = None,
+    balance_dp_compute: bool = False,
 ) -> StatefulDataLoader:
-    """A checkpointable loader whose ``state_dict`` carries the exact stream position."""
+    """A checkpointable loader whose ``state_dict`` carries the exact stream position (see ``SFTDataLoader``)."""
     dataset = SFTDataLoader(
-        rows, tokenizer, seq_len, global_batch_size, long_sample_policy, seed, batch_rank, batch_degree
+        rows, tokenizer, seq_len, global_batch_size, long_sample_policy, seed, batch_rank, batch_degree,
+        vision=vision, balance_dp_compute=balance_dp_compute,
     )
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_keep_samples)

@@ -14,6 +14,23 @@ _MAX_LOGPROB = math.log1p(1e-2)
 
 
 @dataclass
+class SampleImage:
+    """One image of a sample, resized, normalized and cut into patches (``data.images``).
+
+    ``patches[r * cols + c]`` is the patch at row r, column c of the ``rows x cols`` grid,
+    flattened channel-major (C, p, p), the layout a Conv2d patch embedding's weight has.
+    """
+
+    patches: torch.Tensor  # [rows * cols, C * p * p] float32
+    rows: int
+    cols: int
+
+    @property
+    def num_patches(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
 class Sample:
     """One training sequence, shifted for next-token prediction.
 
@@ -34,6 +51,11 @@ class Sample:
     sampler_logprobs: torch.Tensor | None = None  # [n] float
     ref_logprobs: torch.Tensor | None = None  # [n] float
     group_id: int | None = None
+    # Vision-language samples: the sample's images in order, and per input token the row of
+    # the sample's vision features (its images' merged patches, concatenated in order) that
+    # replaces the token's embedding, or -1. Image placeholder tokens are never loss tokens.
+    images: list[SampleImage] | None = None
+    vision_rows: torch.Tensor | None = None  # [n] int64, aligned with input_ids
 
     @classmethod
     def from_tokens(cls, tokens: list[int], target_mask: list[bool]) -> "Sample":
@@ -49,6 +71,10 @@ class Sample:
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def num_patches(self) -> int:
+        return sum(image.num_patches for image in self.images or ())
 
 
 def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | None:
@@ -80,4 +106,37 @@ def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | 
             if name.endswith("logprobs") and float(value.max()) > _MAX_LOGPROB:
                 t = int(value.argmax())
                 return f"{where}: {name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"
+    return None
+
+
+def find_vision_problem(samples: list[Sample], patch_dim: int | None, merge_size: int) -> str | None:
+    """The first reason the images of ``samples`` cannot be used, or None.
+
+    ``patch_dim`` is the model's patch vector length (C * p * p), None for a text model.
+    Every feature row of a sample's images must replace exactly one of its tokens.
+    """
+    for i, sample in enumerate(samples):
+        where = f"sample {i} of this rank's {len(samples)}"
+        if not sample.images:
+            if sample.vision_rows is not None and bool((sample.vision_rows >= 0).any()):
+                return f"{where} has vision_rows but no images"
+            continue
+        if patch_dim is None:
+            return f"{where} has images, but the model has no vision tower (train a vision-language model.name)"
+        num_features = 0
+        for k, image in enumerate(sample.images):
+            if image.rows % merge_size or image.cols % merge_size:
+                return (f"{where}: image {k} has a {image.rows}x{image.cols} patch grid, not a multiple of the "
+                        f"merge size {merge_size}")
+            if tuple(image.patches.shape) != (image.num_patches, patch_dim):
+                return (f"{where}: image {k} has patches of shape {tuple(image.patches.shape)}, expected "
+                        f"({image.num_patches}, {patch_dim})")
+            num_features += image.num_patches // (merge_size * merge_size)
+        rows = sample.vision_rows
+        if rows is None or rows.shape != sample.input_ids.shape:
+            return f"{where}: vision_rows must be a tensor of shape {tuple(sample.input_ids.shape)} (one row per input token)"
+        used = rows[rows >= 0].sort().values
+        if not torch.equal(used, torch.arange(num_features)):
+            return (f"{where}: its images give {num_features} feature rows, each of which must replace exactly one "
+                    f"image token, but vision_rows has {used.numel()} image tokens")
     return None

@@ -8,7 +8,7 @@ Each task is one question generator, shared by the SFT rows here and the RL prob
 
 import random
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 QuestionGenerator = Callable[[random.Random], tuple[str, str]]
 """Draws one ``(question, answer)`` pair from ``rng``."""
@@ -60,7 +60,19 @@ def reverse(num_samples: int, seed: int) -> list[dict]:
     return _chat_rows(reverse_question, num_samples, seed)
 
 
-BUILTIN_TASKS: dict[str, Callable[[int, int], list[dict]]] = {
+def shapes(num_samples: int, seed: int):
+    """``num_samples`` vision-language rows of ``data.shapes`` (images of shapes + questions) from ``seed``."""
+    # Imported on use: text runs never load pillow. (data.shapes uses arithmetic_question above.)
+    from torchtitan_rl.data.shapes import shapes as shapes_rows
+
+    return shapes_rows(num_samples, seed)
+
+
+# SFT tasks (rows); the text ones are also RL tasks through QUESTION_GENERATORS.
+BUILTIN_TASKS: dict[str, Callable[[int, int], Sequence[dict]]] = {
     "arithmetic": arithmetic,
     "reverse": reverse,
+    "shapes": shapes,
 }
+IMAGE_TASKS = ("shapes",)
+"""Built-in tasks whose rows carry images: they need a vision-language model."""

@@ -1,10 +1,13 @@
 """Tokenizers: a built-in byte-level one for tests and tiny runs, and a wrapper for HF ``tokenizer.json``.
 
 Both expose the same small interface (``encode``, ``decode``, ``vocab_size``, ``eos_id``,
-``im_start_id``, ``im_end_id``) so the chat template and the loader never care which one they got.
+``im_start_id``, ``im_end_id``, ``token_to_id``) so the chat template and the loader never care
+which one they got. Image placeholder ids are looked up by string (``image_token_ids``) only
+when a run has images, so a text model's tokenizer needs none of them.
 """
 
 import os
+from dataclasses import dataclass
 from typing import Protocol
 
 import tokenizers
@@ -12,6 +15,10 @@ import tokenizers
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
+# Pixtral / Mistral3 image placeholders (the strings Mistral's tokenizers use).
+IMAGE_TOKEN = "[IMG]"
+IMAGE_BREAK_TOKEN = "[IMG_BREAK]"
+IMAGE_END_TOKEN = "[IMG_END]"
 
 
 class Tokenizer(Protocol):
@@ -32,27 +39,29 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """ids 0..255 are UTF-8 bytes, followed by the three special tokens; needs no files."""
+    """ids 0..255 are UTF-8 bytes, then the special tokens ``SPECIAL_TOKENS`` in order; needs no files.
+
+    The ChatML specials keep ids 256..258 (models trained before the image tokens existed keep
+    working); the image placeholders follow at 259..261.
+    """
 
     NUM_BYTES = 256
+    SPECIAL_TOKENS = (EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN)
 
     def __init__(self):
-        self.eos_id = self.NUM_BYTES
-        self.im_start_id = self.NUM_BYTES + 1
-        self.im_end_id = self.NUM_BYTES + 2
-        self.vocab_size = self.NUM_BYTES + 3
-        self._special_strings = {
-            self.eos_id: EOS_TOKEN,
-            self.im_start_id: IM_START_TOKEN,
-            self.im_end_id: IM_END_TOKEN,
-        }
+        self._special_strings = {self.NUM_BYTES + i: token for i, token in enumerate(self.SPECIAL_TOKENS)}
+        self._special_ids = {token: token_id for token_id, token in self._special_strings.items()}
+        self.eos_id = self._special_ids[EOS_TOKEN]
+        self.im_start_id = self._special_ids[IM_START_TOKEN]
+        self.im_end_id = self._special_ids[IM_END_TOKEN]
+        self.vocab_size = self.NUM_BYTES + len(self.SPECIAL_TOKENS)
 
     def encode(self, text: str) -> list[int]:
         # Special-token strings inside text stay plain bytes: only the chat template emits specials.
         return list(text.encode("utf-8"))
 
     def token_to_id(self, token: str) -> int | None:
-        return next((i for i, s in self._special_strings.items() if s == token), None)
+        return self._special_ids.get(token)
 
     def decode(self, ids: list[int]) -> str:
         pieces: list[str] = []
@@ -110,3 +119,35 @@ def build_tokenizer(hf_assets_path: str) -> Tokenizer:
         f"model.hf_assets_path={hf_assets_path!r} is not a directory containing tokenizer.json; "
         "set it to such a directory, or to an empty string for the built-in byte tokenizer"
     )
+
+
+@dataclass(frozen=True)
+class ImageTokenIds:
+    """The ids of one image's placeholder tokens (see ``data.images.placeholder_tokens``)."""
+
+    image: int
+    image_break: int
+    image_end: int
+
+
+def image_token_ids(
+    tokenizer: Tokenizer,
+    image_token: str = IMAGE_TOKEN,
+    image_break_token: str = IMAGE_BREAK_TOKEN,
+    image_end_token: str = IMAGE_END_TOKEN,
+) -> ImageTokenIds:
+    """The ids of the three placeholder strings; a string the tokenizer lacks is a ValueError.
+
+    Call it only when images are used: text models' tokenizers usually have none of them.
+    """
+    strings = {"image_token": image_token, "image_break_token": image_break_token, "image_end_token": image_end_token}
+    ids = {key: tokenizer.token_to_id(token) for key, token in strings.items()}
+    missing = [f"{key}={strings[key]!r}" for key, token_id in ids.items() if token_id is None]
+    if missing:
+        raise ValueError(
+            f"the tokenizer has no token for {', '.join(missing)}: image placeholders must be single special "
+            "tokens of the tokenizer (add them to its tokenizer.json, or set the model's image token strings)"
+        )
+    if len(set(ids.values())) != 3:
+        raise ValueError(f"the image placeholder tokens {strings} must be three different tokens, got ids {ids}")
+    return ImageTokenIds(ids["image_token"], ids["image_break_token"], ids["image_end_token"])
