@@ -227,3 +227,86 @@ def test_masks_are_made_additive_once_per_forward(backend):
     assert torch.equal(first, second)
     for mask in built.values():
         assert mask.dtype == q.dtype and set(mask.unique().tolist()) <= {0.0, float("-inf")}
+
+
+def naive_bidirectional_attention(q, k, v):
+    """One sequence, every query sees every key: softmax(q k^T / sqrt(d)) v, GQA by repeat."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    probs = (torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5).softmax(dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)
+
+
+def per_sequence_bidirectional_reference(q, k, v, lengths):
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    return torch.cat(
+        [naive_bidirectional_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])]
+    )
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_causal_matches_each_sequence_alone(backend):
+    seq_ids, positions = pack(LENGTHS)
+    q, k, v = random_qkv(seq_ids.numel(), seed=14)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(15))
+    context = build_attention_context(backend, seq_ids, positions, causal=False)
+    assert context.causal is False
+
+    out, grads = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
+    ref_out, ref_grads = output_and_grads(
+        lambda *x: per_sequence_bidirectional_reference(*x, LENGTHS), q, k, v, upstream
+    )
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+    # Sanity: the causal result differs (the first token of a sequence sees more than itself).
+    causal = packed_attention(q, k, v, build_attention_context(backend, seq_ids, positions))
+    assert not torch.allclose(causal, out)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_causal_keys_in_any_order_and_query_subset(backend):
+    """Only seq_ids decide what a query sees: token order and positions do not matter."""
+    seq_ids, positions = pack(LENGTHS)
+    num_tokens = seq_ids.numel()
+    q, k, v = random_qkv(num_tokens, seed=16)
+    full = per_sequence_bidirectional_reference(q, k, v, LENGTHS).detach()
+    gen = torch.Generator().manual_seed(17)
+    key_perm = torch.randperm(num_tokens, generator=gen)
+    query_rows = torch.randperm(num_tokens, generator=gen)[: num_tokens // 2]
+    context = build_attention_context(
+        backend,
+        seq_ids[query_rows],
+        positions[query_rows],
+        seq_ids[key_perm],
+        positions[key_perm],
+        causal=False,
+    )
+    out = packed_attention(q[query_rows], k[key_perm], v[key_perm], context)
+    torch.testing.assert_close(out, full[query_rows], rtol=1e-5, atol=1e-5)
+
+
+def test_non_causal_dense_mask_is_block_diagonal():
+    seq_ids, positions = pack([3, 1, 2])
+    mask = build_attention_context("sdpa_dense", seq_ids, positions, causal=False).dense_mask
+    expected = torch.block_diag(
+        torch.ones(3, 3), torch.ones(1, 1), torch.ones(2, 2)
+    ).to(torch.bool)
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_non_causal_flex_matches_sdpa_dense_on_cuda():
+    seq_ids, positions = pack([130, 1, 77, 300], device="cuda")
+    q, k, v = random_qkv(seq_ids.numel(), device="cuda", seed=18)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(19)).cuda()
+    results = {}
+    for backend in ("flex", "sdpa_dense"):
+        context = build_attention_context(backend, seq_ids, positions, causal=False)
+        results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
+    (flex_out, flex_grads), (dense_out, dense_grads) = results["flex"], results["sdpa_dense"]
+    torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
+    for a, b in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)

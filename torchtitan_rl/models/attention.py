@@ -1,8 +1,10 @@
-"""Document-causal attention over packed micro-batches.
+"""Document-causal (or bidirectional) attention over packed micro-batches.
 
 A packed micro-batch folds the batch dimension into tokens: ``seq_ids[t]`` names the sequence
 of token t and ``positions[t]`` restarts at 0 for every sequence. Query token i may attend key
-token j iff ``seq_ids[j] == seq_ids[i] and positions[j] <= positions[i]``.
+token j iff ``seq_ids[j] == seq_ids[i] and positions[j] <= positions[i]``. With
+``causal=False`` (the vision encoder: every patch of an image sees the whole image) the
+position rule is dropped and the mask is block-diagonal by ``seq_ids`` alone.
 
 Queries and keys are described separately, ``(q_seq_ids, q_positions)`` of length T and
 ``(kv_seq_ids, kv_positions)`` of length S, so that context parallel can attend local queries
@@ -49,8 +51,9 @@ class DocumentSlice:
 
     q_index: torch.Tensor  # [t] rows of q belonging to this sequence
     kv_index: torch.Tensor  # [s] rows of k/v belonging to this sequence
-    # None when queries and keys are both positions 0..n-1 in order, so plain causal SDPA
-    # applies; otherwise the rule evaluated on this document's positions, [t, s].
+    # None when no mask is needed: non-causal attention (every key of the document is
+    # visible), or causal with queries and keys both positions 0..n-1 in order, so plain
+    # causal SDPA applies. Otherwise the rule evaluated on this document's positions, [t, s].
     mask: torch.Tensor | None
 
 
@@ -88,6 +91,10 @@ class AttentionContext:
     # ``override(q, k, v)`` and ignores every field above. It is called once per layer, in
     # layer order, so it can tell the layers apart by counting its calls. Training never sets it.
     override: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # False: bidirectional within a sequence. sdpa_loop needs it at call time (a document
+    # without a mask means "causal" or "everything" depending on it); the other backends
+    # have it baked into their masks.
+    causal: bool = True
 
 
 def build_attention_context(
@@ -96,10 +103,13 @@ def build_attention_context(
     q_positions: torch.Tensor,
     kv_seq_ids: torch.Tensor | None = None,
     kv_positions: torch.Tensor | None = None,
+    causal: bool = True,
 ) -> AttentionContext:
     """Build the mask data for one forward. Keys default to the queries' own tokens.
 
-    ``backend`` may be "auto"; it is resolved against the device of ``q_seq_ids``.
+    ``backend`` may be "auto"; it is resolved against the device of ``q_seq_ids``. With
+    ``causal=False`` a query sees every key of its own sequence (positions are then unused
+    by the mask, but still checked for shape).
     """
     if kv_seq_ids is None and kv_positions is None:
         kv_seq_ids, kv_positions = q_seq_ids, q_positions
@@ -114,17 +124,21 @@ def build_attention_context(
     backend = resolve_attn_backend(backend, q_seq_ids.device)
     if backend == "sdpa_dense":
         return AttentionContext(
-            backend, dense_mask=_dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
+            backend,
+            dense_mask=_dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal),
+            causal=causal,
         )
     if backend == "sdpa_loop":
         documents, inverse_order = _document_slices(
-            q_seq_ids, q_positions, kv_seq_ids, kv_positions
+            q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal
         )
         return AttentionContext(
-            backend, documents=documents, inverse_query_order=inverse_order
+            backend, documents=documents, inverse_query_order=inverse_order, causal=causal
         )
     return AttentionContext(
-        backend, block_mask=_flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
+        backend,
+        block_mask=_flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal),
+        causal=causal,
     )
 
 
@@ -150,7 +164,7 @@ def packed_attention(
         # One collective for both: K and V share their token layout.
         k, v = context.gather_kv(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
     if context.backend == "sdpa_dense":
-        return _sdpa(q, k, v, _additive_mask(context, context.dense_mask, q.dtype), scale)
+        return _sdpa(q, k, v, _additive_mask(context, context.dense_mask, q.dtype), scale, context.causal)
     if context.backend == "sdpa_loop":
         outputs = [
             _sdpa(
@@ -159,6 +173,7 @@ def packed_attention(
                 v.index_select(0, doc.kv_index),
                 _additive_mask(context, doc.mask, q.dtype),
                 scale,
+                context.causal,
             )
             for doc in context.documents
         ]
@@ -178,12 +193,14 @@ def packed_attention(
     return out[0].transpose(0, 1)
 
 
-def _dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions) -> torch.Tensor:
+def _dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True) -> torch.Tensor:
     same_sequence = q_seq_ids[:, None] == kv_seq_ids[None, :]
+    if not causal:
+        return same_sequence
     return same_sequence & (kv_positions[None, :] <= q_positions[:, None])
 
 
-def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions):
+def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True):
     # One host transfer per forward; grouping T tokens in Python is cheap next to attention.
     q_seq, q_pos = q_seq_ids.tolist(), q_positions.tolist()
     kv_seq, kv_pos = kv_seq_ids.tolist(), kv_positions.tolist()
@@ -202,7 +219,9 @@ def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions):
         q_index = torch.tensor(q_list, dtype=torch.long, device=device)
         kv_index = torch.tensor(kv_list, dtype=torch.long, device=device)
         in_order = list(range(len(q_list)))
-        if [q_pos[r] for r in q_list] == in_order and [kv_pos[r] for r in kv_list] == in_order:
+        if not causal:
+            mask = None  # all of the document's keys, in whatever order they come
+        elif [q_pos[r] for r in q_list] == in_order and [kv_pos[r] for r in kv_list] == in_order:
             mask = None
         else:
             mask = _dense_mask(
@@ -221,13 +240,16 @@ def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions):
     return tuple(documents), inverse.to(device)
 
 
-def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions) -> BlockMask:
+def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True) -> BlockMask:
     def document_causal(batch, head, q_idx, kv_idx):
         same_sequence = q_seq_ids[q_idx] == kv_seq_ids[kv_idx]
         return same_sequence & (kv_positions[kv_idx] <= q_positions[q_idx])
 
+    def same_document(batch, head, q_idx, kv_idx):
+        return q_seq_ids[q_idx] == kv_seq_ids[kv_idx]
+
     return _compiled_create_block_mask()(
-        document_causal,
+        document_causal if causal else same_document,
         B=None,
         H=None,
         Q_LEN=q_seq_ids.numel(),
@@ -247,13 +269,14 @@ def _additive_mask(context: AttentionContext, mask: torch.Tensor | None, dtype: 
     return cache[key]
 
 
-def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _sdpa(q, k, v, mask: torch.Tensor | None, scale: float, causal: bool) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
         _to_bhld(q),
         _to_bhld(k),
         _to_bhld(v),
         attn_mask=mask,
-        is_causal=mask is None,
+        # No mask means "the plain rule": causal SDPA, or attend to everything when non-causal.
+        is_causal=causal and mask is None,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )

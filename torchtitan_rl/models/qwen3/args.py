@@ -1,11 +1,23 @@
 """Qwen3 dense model hyper-parameters, the published flavors, and conversion from/to HF ``config.json``."""
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, ClassVar
 
 from torchtitan_rl.models.attention import ATTN_BACKEND_CHOICES
 
-_REQUIRED = object()  # marks config.json fields without a default
+REQUIRED = object()  # marks config.json fields without a default
+
+
+def hf_config_field(config: dict[str, Any], key: str, kind: type, source: str, default: Any = REQUIRED) -> Any:
+    """``config[key]`` (or ``default``) checked to be a ``kind``; ValueError naming ``source`` and the key."""
+    value = config.get(key, default)
+    if value is REQUIRED:
+        raise ValueError(f"{source}: missing required field {key!r}")
+    accepted = (int, float) if kind is float else kind
+    # bool is an int subclass; a number field holding true/false is a broken config.
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
+        raise ValueError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
+    return kind(value)
 
 
 @dataclass
@@ -23,6 +35,11 @@ class Qwen3ModelArgs:
     max_seq_len: int = 40960
     attn_backend: str = "sdpa_dense"
 
+    # Runtime choices, not properties of the weights or of the function the model computes (RoPE
+    # is evaluated at each token's position, so the context length only bounds the data).
+    # ``architecture_differences`` skips them; subclasses extend the tuple.
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("attn_backend", "max_seq_len")
+
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
@@ -37,6 +54,12 @@ class Qwen3ModelArgs:
             )
 
     @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen3ModelArgs":
+        """Inverse of ``dataclasses.asdict`` (what checkpoints store); subclasses with nested
+        dataclass fields override it, so callers use ``type(args).from_dict``."""
+        return cls(**d)
+
+    @classmethod
     def from_hf_config(
         cls, config: dict[str, Any], attn_backend: str = "sdpa_dense", source: str = "config.json"
     ) -> "Qwen3ModelArgs":
@@ -48,15 +71,8 @@ class Qwen3ModelArgs:
         """
         _check_hf_config_supported(config, source)
 
-        def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:
-            value = config.get(key, default)
-            if value is _REQUIRED:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            accepted = (int, float) if kind is float else kind
-            # bool is an int subclass; a number field holding true/false is a broken config.
-            if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
-                raise ValueError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
-            return kind(value)
+        def get(key: str, kind: type, default: Any = REQUIRED) -> Any:
+            return hf_config_field(config, key, kind, source, default)
 
         return cls(
             vocab_size=get("vocab_size", int),
@@ -176,30 +192,47 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
 }
 
 
-# Runtime choices, not properties of the weights or of the function the model computes (RoPE
-# is evaluated at each token's position, so the context length only bounds the data).
-_NOT_ARCHITECTURE = ("attn_backend", "max_seq_len")
+def architecture_differences(a: Any, b: Any) -> list[tuple[str, Any, Any]]:
+    """``(field, a's value, b's value)`` for every architecture field where the two differ.
+
+    Compares every dataclass field of ``type(a)`` except its ``RUNTIME_FIELDS``, so subclasses
+    (the VLM args) are covered. Nested dataclass fields (the vision args) are compared field by
+    field under dotted names, skipping their own runtime fields. Args of different types differ
+    as a whole (``("type", ...)``).
+    """
+    if type(a) is not type(b):
+        return [("type", type(a).__name__, type(b).__name__)]
+    runtime = getattr(type(a), "RUNTIME_FIELDS", ())
+    differences = []
+    for f in fields(a):
+        if f.name in runtime:
+            continue
+        ours, theirs = getattr(a, f.name), getattr(b, f.name)
+        if is_dataclass(ours) and is_dataclass(theirs):
+            differences += [(f"{f.name}.{name}", x, y) for name, x, y in architecture_differences(ours, theirs)]
+        elif ours != theirs:
+            differences.append((f.name, ours, theirs))
+    return differences
 
 
-def architecture_differences(a: Qwen3ModelArgs, b: Qwen3ModelArgs) -> list[tuple[str, Any, Any]]:
-    """``(field, a's value, b's value)`` for every architecture field where the two differ."""
-    names = [f.name for f in fields(Qwen3ModelArgs) if f.name not in _NOT_ARCHITECTURE]
-    return [(name, getattr(a, name), getattr(b, name)) for name in names if getattr(a, name) != getattr(b, name)]
+def find_flavor(args: Qwen3ModelArgs, flavors: dict[str, Qwen3ModelArgs] | None = None) -> str | None:
+    """The named flavor (of ``flavors``, default the Qwen3 ones) with the same architecture as ``args``."""
+    flavors = qwen3_flavors if flavors is None else flavors
+    return next((name for name, flavor in flavors.items() if not architecture_differences(args, flavor)), None)
 
 
-def find_flavor(args: Qwen3ModelArgs) -> str | None:
-    """The named flavor with the same architecture as ``args``, if any."""
-    return next((name for name, flavor in qwen3_flavors.items() if not architecture_differences(args, flavor)), None)
-
-
-def check_flavor(args: Qwen3ModelArgs, flavor: str, source: str) -> None:
-    """Raise a ValueError listing the differences when ``args`` (read from ``source``) is not ``flavor``."""
-    differences = architecture_differences(args, qwen3_flavors[flavor])
+def check_flavor(
+    args: Qwen3ModelArgs, flavor: str, source: str, flavors: dict[str, Qwen3ModelArgs] | None = None
+) -> None:
+    """Raise a ValueError listing the differences when ``args`` (read from ``source``) is not
+    ``flavor`` of ``flavors`` (default the Qwen3 ones)."""
+    flavors = qwen3_flavors if flavors is None else flavors
+    differences = architecture_differences(args, flavors[flavor])
     if not differences:
         return
     says = ", ".join(f"{name}={ours}" for name, ours, _ in differences)
     has = ", ".join(f"{name}={theirs}" for name, _, theirs in differences)
-    match = find_flavor(args)
+    match = find_flavor(args, flavors)
     hint = f" ({source} matches model.flavor={match!r})" if match else " (no named flavor matches it)"
     raise ValueError(
         f"checkpoint from another model flavor: {source} says {says}; model.flavor={flavor!r} has {has}{hint}"

@@ -33,6 +33,15 @@ def param_seed(seed: int, fqn: str) -> int:
     return (seed * 0x9E3779B1 + zlib.crc32(fqn.encode())) % (2**63)
 
 
+def check_packed_inputs(tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> None:
+    """ValueError unless the three per-token tensors of a packed micro-batch are 1-D of equal length."""
+    if tokens.dim() != 1 or positions.shape != tokens.shape or seq_ids.shape != tokens.shape:
+        raise ValueError(
+            "tokens, positions and seq_ids must be 1-D of equal length, got "
+            f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
+        )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -105,12 +114,15 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: Qwen3ModelArgs):
+    """Pre-norm residual block, attention then SwiGLU; the vision tower reuses it with its own
+    attention module (``attention(x, rotary, attn_context)``)."""
+
+    def __init__(self, attention: nn.Module, dim: int, hidden_dim: int, norm_eps: float):
         super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = attention
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.feed_forward = FeedForward(dim, hidden_dim)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
 
     def forward(self, x, rotary, attn_context):
         x = x + self.attention(self.attention_norm(x), rotary, attn_context)
@@ -122,7 +134,9 @@ class Qwen3Model(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(Attention(args), args.dim, args.hidden_dim, args.norm_eps) for i in range(args.n_layers)}
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -139,13 +153,23 @@ class Qwen3Model(nn.Module):
         Logits are left to the caller (``self.output``), which applies them in token chunks
         so that ``[T, vocab]`` is never materialized at once.
         """
-        if tokens.dim() != 1 or positions.shape != tokens.shape or seq_ids.shape != tokens.shape:
+        check_packed_inputs(tokens, positions, seq_ids)
+        return self.decode(self.tok_embeddings(tokens), positions, seq_ids)
+
+    def decode(self, h: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
+        """The decoder stack on input embeddings ``h [T, dim]``: final-normed hidden ``[T, dim]``.
+
+        Split from ``forward`` so a multimodal model can replace some token embeddings
+        (image features) between the embedding lookup and the decoder.
+        """
+        # Only h's rank is checked: under sequence-parallel TP it holds this rank's share of
+        # the T tokens, while positions and seq_ids describe all of them.
+        if h.dim() != 2 or positions.dim() != 1 or seq_ids.shape != positions.shape:
             raise ValueError(
-                "tokens, positions and seq_ids must be 1-D of equal length, got "
-                f"{tuple(tokens.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
+                "decode takes h [T, dim] and 1-D positions, seq_ids of equal length, got "
+                f"{tuple(h.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
             )
         attn_context = self.attention_context_builder(self.args.attn_backend, seq_ids, positions)
-        h = self.tok_embeddings(tokens)
         rotary = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rotary, attn_context)

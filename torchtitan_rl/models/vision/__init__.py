@@ -1,0 +1,1 @@
+"""Pixtral vision encoder (used by the VLM in ``models/vlm``)."""

@@ -1,0 +1,58 @@
+"""Hyper-parameters of the Pixtral vision encoder."""
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torchtitan_rl.models.attention import ATTN_BACKEND_CHOICES
+
+
+@dataclass
+class VisionArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    hidden_dim: int  # SwiGLU inner size
+    patch_size: int  # pixels per patch side
+    num_channels: int = 3
+    # Pixtral hard-codes 1e-5 for every vision norm (ln_pre and the blocks' norms).
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    # Largest image side in patches (HF ``image_size // patch_size``). The 2-D RoPE would work
+    # beyond it, but the model was never trained there: longer sides are a data-pipeline bug.
+    max_patches_per_side: int = 16
+    attn_backend: str = "sdpa_dense"
+
+    # Not properties of the weights (see qwen3.args.architecture_differences).
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("attn_backend",)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "hidden_dim", "patch_size", "num_channels", "max_patches_per_side"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"vision {name} must be a positive int, got {value!r}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"vision dim ({self.dim}) must be a multiple of n_heads ({self.n_heads})")
+        if self.head_dim % 4 != 0:
+            # Axial RoPE gives rows and columns head_dim / 4 frequencies each.
+            raise ValueError(f"vision head_dim (dim / n_heads = {self.head_dim}) must be a multiple of 4")
+        for name in ("norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"vision {name} must be a positive number, got {value!r}")
+        if self.attn_backend not in ATTN_BACKEND_CHOICES:
+            raise ValueError(
+                f"unknown vision attn_backend {self.attn_backend!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}"
+            )
+
+    @property
+    def patch_dim(self) -> int:
+        """Length of one flattened patch vector, ``num_channels * patch_size**2``."""
+        return self.num_channels * self.patch_size**2
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VisionArgs":
+        return cls(**d)
