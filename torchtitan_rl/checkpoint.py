@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.utils import CheckpointException
 
 from torchtitan_rl.config.job_config import Checkpoint
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, architecture_differences
+from torchtitan_rl.models.qwen3.args import architecture_differences
+from torchtitan_rl.models.registry import spec_for_args
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +127,15 @@ def read_description(path: str) -> dict[str, Any]:
         raise ValueError(f"checkpoint description {file} is corrupted: {err}") from None
 
 
-def check_model_args(description: dict[str, Any], args: Qwen3ModelArgs, path: str) -> None:
+def check_model_args(description: dict[str, Any], args, path: str) -> None:
     """The checkpoint must hold the model this run builds; else say which hyper-parameters differ."""
     file = os.path.join(path, DESCRIPTION_FILE)
+    # Checkpoints written before the registry hold Qwen3 models and name no family.
+    saved_name, name = description.get("model_name", "qwen3"), spec_for_args(args).name
+    if saved_name != name:
+        raise ValueError(f"checkpoint {path} holds a {saved_name!r} model, this run builds model.name={name!r} (according to {file})")
     try:
-        saved = Qwen3ModelArgs(**description["model_args"])
+        saved = type(args).from_dict(description["model_args"])
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint description {file} has no valid model_args: {err}") from None
     diffs = architecture_differences(saved, args)
@@ -178,7 +183,7 @@ class CheckpointManager:
         lr_scheduler,
         dataloader,
         train_state: TrainState,
-        model_args: Qwen3ModelArgs,
+        model_args,
         tokenizer_dir: str = "",
         extra_models: dict[str, torch.nn.Module] | None = None,
     ):
@@ -272,6 +277,7 @@ class CheckpointManager:
             "step": step,
             "model_only": model_only,
             "format": "hf" if (model_only and self.config.last_save_in_hf) else "dcp",
+            "model_name": spec_for_args(self.model_args).name,
             "model_args": dataclasses.asdict(self.model_args),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         }

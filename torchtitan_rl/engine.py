@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan_rl.data.packing import MicroBatch, build_microbatches, plan_microbatches
-from torchtitan_rl.data.sample import Sample, find_input_problem
+from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, plan_microbatches
+from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks, shard_microbatch
@@ -22,6 +22,7 @@ from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
 from torchtitan_rl.losses.reduction import GROUPED_MODES, global_counts, token_weights
+from torchtitan_rl.models.vlm.model import VisionInputs
 
 
 @dataclass
@@ -53,6 +54,10 @@ class EngineOptions:
     # Log-probs, entropies and losses are of softmax(logits / temperature): RL trains on the
     # distribution its sampler drew from.
     temperature: float = 1.0
+    # Vision-language models: how micro-batches carry images (None: a text model, whose
+    # samples must have none), and the vision-patch budget of a micro-batch (0: none).
+    vision: VisionPacking | None = None
+    max_patches_per_microbatch: int = 0
 
 
 class Engine:
@@ -92,11 +97,20 @@ class Engine:
         collective as the plan: a bad sample on one rank stops all of them with a ValueError
         instead of leaving the others waiting in a collective.
         """
-        dims = self.parallel_dims
+        dims, options = self.parallel_dims, self.options
+        vision = options.vision
         problem, plan = find_input_problem(samples, inputs), []
         if problem is None:
+            patch_dim, merge_size = (vision.patch_dim, vision.merge_size) if vision is not None else (None, 1)
+            problem = find_vision_problem(samples, patch_dim, merge_size)
+        if problem is None:
             try:
-                plan = plan_microbatches([len(s) for s in samples], self.options.max_tokens_per_microbatch)
+                plan = plan_microbatches(
+                    [len(s) for s in samples],
+                    options.max_tokens_per_microbatch,
+                    [s.num_patches for s in samples],
+                    options.max_patches_per_microbatch,
+                )
             except ValueError as err:
                 problem = str(err)
         num_groups = 1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs and problem is None else 0
@@ -114,10 +128,10 @@ class Engine:
         cp_mesh = dims.mesh("cp")
         if cp_mesh is None:
             # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks.
-            whole = build_microbatches(samples, plan, num_microbatches, dims.tp, inputs)
+            whole = build_microbatches(samples, plan, num_microbatches, dims.tp, inputs, vision)
             return whole, whole, num_groups
         # The CP split pads every sequence so that each rank's share divides by tp.
-        whole = build_microbatches(samples, plan, num_microbatches, 1, inputs)
+        whole = build_microbatches(samples, plan, num_microbatches, 1, inputs, vision)
         rank = cp_mesh.get_local_rank()
         return whole, [shard_microbatch(mb, dims.cp, rank, multiple=dims.tp) for mb in whole], num_groups
 
@@ -126,7 +140,11 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident micro-batch."""
         with self._autocast():
-            hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
+            if mb.image_patches is None:
+                hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
+            else:
+                vision = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
+                hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids, vision=vision)
             if self.options.temperature != 1.0:
                 # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
                 hidden = hidden / self.options.temperature

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints of Qwen3 dense models: read ``config.json``, load safetensors weights
-into a (possibly FSDP2 / TP sharded) model in place, and export a model as an HF directory.
+"""Hugging Face checkpoints of every registered model family (Qwen3 dense, the Mistral3-layout
+VLM): read ``config.json``, load safetensors weights into a (possibly FSDP2 / TP sharded) model
+in place, and export a model as an HF directory.
 
 Loading reads, on every rank, only the block of each tensor that the rank's shard holds
 (``safe_open(...).get_slice``), so no rank ever holds the full model. The files are read here
@@ -20,10 +21,10 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from torch import nn
+
 from torchtitan_rl.compat import local_shard_bounds
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
-from torchtitan_rl.models.qwen3.model import Qwen3Model
-from torchtitan_rl.models.qwen3.state_dict_adapter import to_hf
+from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,35 +40,37 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
-# Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
-_TIED_HEAD = "lm_head.weight"
 
 
-def read_hf_model_args(path: str, attn_backend: str = "sdpa_dense") -> Qwen3ModelArgs:
-    """The model args of the HF checkpoint directory ``path`` (its ``config.json``)."""
+def read_hf_model_args(path: str, attn_backend: str = "sdpa_dense"):
+    """The model args of the HF checkpoint directory ``path`` (its ``config.json``), of the
+    family its ``model_type`` names."""
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
         raise ValueError(f"no {CONFIG_FILE} in Hugging Face checkpoint directory {path!r}")
     config = _read_json(config_path)
     if not isinstance(config, dict):
         raise ValueError(f"{config_path!r} must hold a JSON object, got {type(config).__name__}")
-    return Qwen3ModelArgs.from_hf_config(config, attn_backend, source=config_path)
+    return spec_for_hf_config(config, config_path).args_cls.from_hf_config(config, attn_backend, source=config_path)
 
 
 @torch.no_grad()
-def load_hf_weights(model: Qwen3Model, path: str) -> None:
+def load_hf_weights(model: nn.Module, path: str) -> None:
     """Copy the safetensors weights of the HF checkpoint directory ``path`` into ``model`` in place.
 
-    ``model`` is a materialized ``Qwen3Model`` (plain tensors, or DTensors after
-    ``parallelize_qwen3``). Not collective: each rank reads its own blocks independently. Values
+    ``model`` is a materialized model of a registered family (plain tensors, or DTensors after
+    its parallelize function). Not collective: each rank reads its own blocks independently. Values
     are cast to each parameter's dtype. Every parameter must be in the files with its shape,
     and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
     """
     files, listing = _tensor_files(path)
     _reshard(model)
     # named_parameters lists a tied head once, as the embedding: HF's tied checkpoints do the same.
+    to_hf = spec_for_args(model.args).to_hf
     params = to_hf(dict(model.named_parameters()))
-    _check_same_keys(params.keys(), files.keys(), model.args.tie_embeddings, listing)
+    # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
+    tied_head = next(iter(to_hf({"output.weight": None}))) if model.args.tie_embeddings else None
+    _check_same_keys(params.keys(), files.keys(), tied_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)
         for key, param in params.items():
@@ -83,13 +86,14 @@ def load_hf_weights(model: Qwen3Model, path: str) -> None:
 
 @torch.no_grad()
 def save_hf_checkpoint(
-    model: Qwen3Model,
+    model: nn.Module,
     path: str,
     dtype: torch.dtype,
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
-    """Export ``model`` as an HF ``Qwen3ForCausalLM`` directory at ``path`` (which must not exist).
+    """Export ``model`` as an HF directory at ``path`` (which must not exist): a
+    ``Qwen3ForCausalLM``, or a ``Mistral3ForConditionalGeneration`` for the VLM.
 
     Collective: every rank calls it; parameters are gathered one shard file at a time and global
     rank 0 writes, so it holds at most one file's worth of tensors. Weights are cast to
@@ -105,7 +109,8 @@ def save_hf_checkpoint(
         dist.barrier()
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     _reshard(model)
-    tensors = to_hf(dict(model.named_parameters()))  # tied head omitted, as transformers saves it
+    # Tied head omitted, as transformers saves it.
+    tensors = spec_for_args(model.args).to_hf(dict(model.named_parameters()))
     shards = _plan_shards({key: t.numel() * dtype.itemsize for key, t in tensors.items()}, max_shard_bytes)
     staging = _make_staging_dir(path) if is_writer else None
     try:
@@ -124,7 +129,7 @@ def save_hf_checkpoint(
         dist.barrier()  # callers on any rank may read the export once this returns
 
 
-def _reshard(model: Qwen3Model) -> None:
+def _reshard(model: nn.Module) -> None:
     """Make every parameter the sharded one again.
 
     FSDP2 leaves the root's parameters (embeddings, final norm, head) gathered after a forward
@@ -180,9 +185,9 @@ def _open_safetensors(file: str):
         yield f
 
 
-def _check_same_keys(expected, found, tie_embeddings: bool, listing: str) -> None:
+def _check_same_keys(expected, found, tied_head: str | None, listing: str) -> None:
     missing = [key for key in expected if key not in found]
-    unexpected = [key for key in found if key not in expected and not (tie_embeddings and key == _TIED_HEAD)]
+    unexpected = [key for key in found if key not in expected and key != tied_head]
     if missing:
         raise ValueError(f"{listing!r} has no tensor {_names(missing)} that the model needs")
     if unexpected:
@@ -260,7 +265,7 @@ def _gather(tensors: dict[str, torch.Tensor], keys: list[str], dtype: torch.dtyp
 
 def _write_metadata(
     staging: str,
-    args: Qwen3ModelArgs,
+    args,
     dtype: torch.dtype,
     tensors: dict[str, torch.Tensor],
     shards: dict[str, list[str]],

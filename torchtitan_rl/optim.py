@@ -4,11 +4,20 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def build_optimizer(model: nn.Module, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (frozen ones get no state), one parameter group
+    per device mesh: foreach kernels cannot mix plain tensors and DTensors of different
+    meshes (a VLM's vision tower is replicated over tensor parallel, its language model is not)."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for param in model.parameters():
+        if param.requires_grad:
+            groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
     return torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=True
+        [{"params": params} for params in groups.values()],
+        lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=True,
     )
 
 

@@ -11,12 +11,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import build_sft_dataloader
-from torchtitan_rl.data.tokenizer import build_tokenizer
+from torchtitan_rl.data.packing import VisionPacking
+from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
+from torchtitan_rl.data.vision_samples import VisionDataConfig
 from torchtitan_rl.distributed.init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
@@ -26,9 +29,9 @@ from torchtitan_rl.losses.loss_fns import LossFn, loss_fn_from_config
 from torchtitan_rl.losses.reduction import GROUPED_MODES, NUM_TOKENS, SUM_SQUARED_SEQ_LENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, qwen3_flavors
-from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
-from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan_rl.models.qwen3.args import check_flavor
+from torchtitan_rl.models.qwen3.model import param_seed
+from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.profiling import MemoryProfiler
 
@@ -55,31 +58,40 @@ def check_divisible_by_data_parallel(key: str, value: int, parallel_dims: Parall
         )
 
 
-def model_args_from_config(job_config: JobConfig, device: torch.device, vocab_size: int) -> Qwen3ModelArgs:
-    args = dataclasses.replace(
-        qwen3_flavors[job_config.model.flavor],
-        attn_backend=resolve_attn_backend(job_config.model.attn_backend, device),
-    )
+def model_args_from_config(job_config: JobConfig, device: torch.device, tokenizer: Tokenizer):
+    """The flavor's args with this run's attention backend (and, for a VLM, the tokenizer's
+    image token), checked against the initial HF checkpoint and the tokenizer."""
+    spec = get_model_spec(job_config.model.name)
+    backend = resolve_attn_backend(job_config.model.attn_backend, device)
+    args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
+    if spec.takes_images:
+        m = job_config.model
+        image_id = image_token_ids(tokenizer, m.image_token, m.image_break_token, m.image_end_token).image
+        args = dataclasses.replace(args, image_token_id=image_id, vision=dataclasses.replace(args.vision, attn_backend=backend))
     ckpt = job_config.checkpoint
     if ckpt.initial_load_in_hf:
         # Before building anything: a wrong flavor would otherwise surface as a shape error.
         hf_args = read_hf_model_args(ckpt.initial_load_path, args.attn_backend)
-        check_flavor(hf_args, job_config.model.flavor, os.path.join(ckpt.initial_load_path, "config.json"))
-    if vocab_size > args.vocab_size:
+        source = os.path.join(ckpt.initial_load_path, "config.json")
+        check_flavor(hf_args, job_config.model.flavor, source, spec.flavors)
+    if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
-            f"the tokenizer has {vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
             f"has only {args.vocab_size} embeddings"
         )
     return args
 
 
-def build_model(
-    args: Qwen3ModelArgs, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype
-) -> Qwen3Model:
+def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype,
+                freeze_vision: bool = False) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout."""
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        model = Qwen3Model(args)
-    parallelize_qwen3(model, parallel_dims, param_dtype, torch.float32)
+        model = spec.model_cls(args)
+    if freeze_vision:
+        # Before FSDP, which fixes each sharded parameter's requires_grad when it wraps it.
+        model.vision_tower.requires_grad_(False)
+    spec.parallelize(model, parallel_dims, param_dtype, torch.float32)
     model.to_empty(device=device)
     init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
     return model
@@ -96,15 +108,15 @@ def build_engine(
     job_config: JobConfig,
     parallel_dims: ParallelDims,
     device: torch.device,
-    vocab_size: int,
+    tokenizer: Tokenizer,
     num_optimizer_steps: int,
     temperature: float = 1.0,
 ):
     """The engine and the model hyper-parameters it was built with; the LR schedule spans
     ``num_optimizer_steps``."""
-    model_args = model_args_from_config(job_config, device, vocab_size)
+    model_args = model_args_from_config(job_config, device, tokenizer)
     dtype = compute_dtype(job_config, device)
-    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, dtype)
+    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, dtype, job_config.model.freeze_vision)
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
@@ -119,8 +131,34 @@ def build_engine(
         max_norm=t.max_norm,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         temperature=temperature,
+        vision=vision_packing(model_args),
+        max_patches_per_microbatch=t.max_patches_per_microbatch,
     )
     return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
+
+
+def vision_packing(model_args) -> VisionPacking | None:
+    """How micro-batches carry images for this model; None for a text model."""
+    if not spec_for_args(model_args).takes_images:
+        return None
+    return VisionPacking(patch_dim=model_args.vision.patch_dim, merge_size=model_args.spatial_merge_size)
+
+
+def vision_data_config(job_config: JobConfig, model_args) -> VisionDataConfig | None:
+    """How the data loader sizes, normalizes and marks images for this model; None for a text model."""
+    if not spec_for_args(model_args).takes_images:
+        return None
+    m = job_config.model
+    return VisionDataConfig(
+        patch_size=model_args.vision.patch_size,
+        merge_size=model_args.spatial_merge_size,
+        max_image_tokens=job_config.training.max_image_tokens,
+        image_token=m.image_token,
+        image_break_token=m.image_break_token,
+        image_end_token=m.image_end_token,
+        max_patches_per_side=model_args.vision.max_patches_per_side,
+        max_patches_per_microbatch=job_config.training.max_patches_per_microbatch,
+    )
 
 
 def sft_loss_fn(job_config: JobConfig) -> LossFn:
@@ -156,7 +194,7 @@ class Trainer(ABC):
 
         self.parallel_dims.build_meshes(self.device.type)
         self.engine, self.model_args = build_engine(
-            job_config, self.parallel_dims, self.device, self.tokenizer.vocab_size, num_optimizer_steps, temperature
+            job_config, self.parallel_dims, self.device, self.tokenizer, num_optimizer_steps, temperature
         )
         if self.rank == 0:
             write_resolved_config(job_config, os.path.join(job_config.job.dump_folder, "config.toml"))
@@ -213,6 +251,8 @@ class SFTTrainer(Trainer):
             job_config.debug.seed,
             self.parallel_dims.batch_rank(),
             self.parallel_dims.batch_degree,
+            vision=vision_data_config(job_config, self.model_args),
+            balance_dp_compute=t.balance_dp_compute,
         )
         self.checkpointer = self.build_checkpointer(self.dataloader)
         if self.checkpointer.load():
@@ -249,7 +289,7 @@ class SFTTrainer(Trainer):
                     window_tokens,
                     window_squared_lens,
                     time.perf_counter() - window_start,
-                    self.dataloader.dataset.stats(),
+                    {**self.dataloader.dataset.stats(), **self.dataloader.dataset.balance_stats()},
                 )
                 window_start = time.perf_counter()
                 window_tokens = window_squared_lens = 0

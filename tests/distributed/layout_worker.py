@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 from generator_cases import run_generator_checks
 from rl_cases import run_rollout_exchange_checks
+from vlm_cases import run_vlm_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -188,6 +189,7 @@ def run_all_layouts(world_size: int) -> dict:
             run_bad_inputs(dims, results)
         run_generator_checks(dims, results)  # on generator_cases.GENERATOR_LAYOUTS only
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
+        run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
     return results
 
 

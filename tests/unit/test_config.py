@@ -338,6 +338,27 @@ def test_unknown_flavor():
     assert_error(["--model.flavor", "70B"], "model.flavor", "'70B'", "'debugmodel'", "'8B'")
 
 
+def test_vlm_flavors_and_settings():
+    cfg = parse("--model.name", "vlm", "--model.flavor", "0.6B", "--training.max_patches_per_microbatch", "1024",
+                "--model.freeze_vision", "true")
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.freeze_vision) == ("vlm", "0.6B", True)
+    assert_error(["--model.name", "vlm", "--model.flavor", "8B"], "model.flavor", "'8B'", "'vlm'", "'debugmodel'", "'0.6B'")
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--model.freeze_vision", "true"], ["model.freeze_vision", "only used by a vision-language model"]),
+    (["--training.max_image_tokens", "64"], ["training.max_image_tokens", "model.name = 'vlm'"]),
+    (["--model.image_token", "<img>"], ["model.image_token", "only used by a vision-language model"]),
+    (["--model.name", "vlm", "--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.global_batch_size", "8"],
+     ["model.name", "job.recipe = 'sft' only"]),
+    (["--model.name", "vlm", "--training.max_patches_per_microbatch", "100"],
+     ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"]),
+    (["--model.name", "vlm", "--model.image_break_token", "[IMG]"], ["three different non-empty strings"]),
+])
+def test_vision_settings_fail_closed(argv, fragments):
+    assert_error(argv, *fragments)
+
+
 # --- structural errors -------------------------------------------------------------------
 
 

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from torchtitan_rl.data.packing import OPTIONAL_INPUTS, TOKEN_FIELDS, pack, padding_microbatch
-from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample
+from torchtitan_rl.data.packing import OPTIONAL_INPUTS, TOKEN_FIELDS, VisionPacking, pack, padding_microbatch
+from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample, SampleImage
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout, microbatch_layout, shard_microbatch
 
 
@@ -80,7 +80,8 @@ def test_shard_microbatch_moves_every_field_with_one_index(cp, tp):
     mb = pack(samples, inputs=OPTIONAL_INPUTS)
     layout = microbatch_layout(mb, cp, tp)
     shards = [shard_microbatch(mb, cp, r, tp) for r in range(cp)]
-    for name in (*TOKEN_FIELDS, "positions", "seq_ids"):
+    assert set(mb.token_fields()) == set(TOKEN_FIELDS) - {"vision_index"}
+    for name in (*mb.token_fields(), "positions", "seq_ids"):
         restored = layout.gather([getattr(s, name) for s in shards])
         assert torch.equal(restored, getattr(mb, name)), name
     # Each token's RL inputs are those of its own sequence at the same position as its label.
@@ -110,3 +111,27 @@ def test_layout_rejects_empty_segments_and_bad_degrees():
         ZigzagLayout.build([3, 0], 2)
     with pytest.raises(ValueError, match="cp and multiple"):
         ZigzagLayout.build([3], 0)
+
+
+@pytest.mark.parametrize("cp, tp", [(2, 1), (2, 2), (4, 1)])
+def test_vision_index_splits_like_every_token_and_pads_with_minus_one(cp, tp):
+    """An image's placeholder tokens straddle chunk boundaries; every rank keeps its own
+    feature rows, padding points at no feature, and the images themselves are not split."""
+    vision = VisionPacking(patch_dim=12, merge_size=2)
+    samples = [_sample(13, 4, 0), _sample(5, 0, 1)]
+    samples[0].images = [SampleImage(torch.randn(8, 12), 2, 4)]  # two feature rows
+    samples[0].vision_rows = torch.tensor([-1, -1, -1, 0, 1] + [-1] * 8)
+    samples[1].images = [SampleImage(torch.randn(4, 12), 2, 2)]
+    samples[1].vision_rows = torch.tensor([-1, -1, 0, -1, -1])
+    mb = pack(samples, vision=vision)
+    assert mb.vision_index.tolist() == [-1, -1, -1, 0, 1] + [-1] * 8 + [-1, -1, 2, -1, -1]
+    layout = microbatch_layout(mb, cp, tp)
+    shards = [shard_microbatch(mb, cp, r, tp) for r in range(cp)]
+    assert torch.equal(layout.gather([s.vision_index for s in shards]), mb.vision_index)
+    for r, s in enumerate(shards):
+        pad = ~layout.split(torch.ones(mb.num_tokens, dtype=torch.bool), r)
+        assert bool((s.vision_index[pad] == -1).all())
+        assert torch.equal(s.image_patches, mb.image_patches) and s.image_grids == ((2, 4), (2, 2))
+    # Sample 0's image tokens sit at positions 3 and 4, on both sides of a chunk boundary.
+    owners = {r for r, s in enumerate(shards) for v in s.vision_index.tolist() if v in (0, 1)}
+    assert len(owners) == 2

@@ -7,12 +7,13 @@ import torch
 
 from torchtitan_rl.data.packing import (
     MicroBatch,
+    VisionPacking,
     build_microbatches,
     pack,
     padding_microbatch,
     plan_microbatches,
 )
-from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.data.sample import Sample, SampleImage
 
 # ---------------------------------------------------------------- plan_microbatches
 
@@ -214,3 +215,57 @@ def test_pack_pads_to_multiple_with_an_isolated_zero_weight_sequence(pad_multipl
         assert t.shape == (mb.num_tokens,)
     padded_filler = padding_microbatch(pad_multiple)
     assert padded_filler.num_tokens == pad_multiple and not padded_filler.loss_mask.any()
+
+
+# ---------------------------------------------------------------- vision patches
+
+
+def test_plan_budgets_tokens_and_patches_together():
+    rng = random.Random(1)
+    for _ in range(200):
+        max_tokens, max_patches = rng.choice([0, rng.randint(5, 30)]), rng.choice([0, rng.randint(8, 40)])
+        seq_lens = [rng.randint(1, max_tokens or 30) for _ in range(rng.randint(1, 12))]
+        patches = [rng.choice([0, 0, rng.randint(4, max_patches or 40)]) for _ in seq_lens]
+        plan = plan_microbatches(seq_lens, max_tokens, patches, max_patches)
+        assert [i for group in plan for i in group] == list(range(len(seq_lens)))
+        for k, group in enumerate(plan):
+            used = (sum(seq_lens[i] for i in group), sum(patches[i] for i in group))
+            assert all(not budget or u <= budget for u, budget in zip(used, (max_tokens, max_patches)))
+            if k + 1 < len(plan):
+                nxt = plan[k + 1][0]
+                # Closed only when the next sample would break one of the budgets.
+                assert (max_tokens and used[0] + seq_lens[nxt] > max_tokens) or (
+                    max_patches and used[1] + patches[nxt] > max_patches)
+
+
+def test_plan_sample_over_patch_budget_names_the_key():
+    with pytest.raises(ValueError, match=r"a sample of 50 vision patches exceeds training.max_patches_per_microbatch=40 \(sample 1"):
+        plan_microbatches([3, 4], 0, [8, 50], 40)
+
+
+def _image_sample(n: int, grids: list[tuple[int, int]], rows: list[int], seed: int) -> Sample:
+    gen = torch.Generator().manual_seed(seed)
+    images = [SampleImage(torch.randn(r * c, 12, generator=gen), r, c) for r, c in grids]
+    return Sample(input_ids=torch.arange(n), labels=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.bool),
+                  images=images or None, vision_rows=torch.tensor(rows) if images else None)
+
+
+def test_pack_offsets_each_samples_vision_rows_past_earlier_images():
+    vision = VisionPacking(patch_dim=12, merge_size=2)
+    a = _image_sample(4, [(2, 4), (2, 2)], [0, 1, -1, 2], seed=0)  # 2 + 1 feature rows
+    b = _image_sample(3, [], [], seed=1)  # text only
+    c = _image_sample(3, [(4, 2)], [-1, 1, 0], seed=2)
+    mb = pack([a, b, c], pad_multiple=4, vision=vision)
+    assert mb.vision_index.tolist() == [0, 1, -1, 2] + [-1] * 3 + [-1, 4, 3] + [-1, -1]  # padded to 12 with -1
+    assert mb.image_grids == ((2, 4), (2, 2), (4, 2)) and mb.num_images == 3
+    assert torch.equal(mb.image_patches, torch.cat([im.patches for im in a.images + c.images]))
+
+
+def test_microbatches_without_images_run_one_dummy_image_that_no_token_uses():
+    vision = VisionPacking(patch_dim=12, merge_size=2)
+    for mb in (pack([_image_sample(3, [], [], 0)], vision=vision), padding_microbatch(2, vision=vision)):
+        assert mb.num_images == 0 and mb.image_grids == ((2, 2),)
+        assert torch.equal(mb.image_patches, torch.zeros(4, 12))
+        assert bool((mb.vision_index == -1).all())
+    text = pack([_image_sample(3, [], [], 0)])
+    assert text.vision_index is None and text.image_patches is None

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from torchtitan_rl.models import MODELS
+from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import (
     Qwen3Model,
@@ -192,7 +192,11 @@ def test_num_params_of_published_flavors(flavor, published):
 
 
 def test_flavors_and_registry():
-    assert MODELS["qwen3"] == (Qwen3Model, qwen3_flavors)
+    spec = get_model_spec("qwen3")
+    assert (spec.model_cls, spec.flavors, spec.to_hf) == (Qwen3Model, qwen3_flavors, to_hf)
+    assert spec_for_args(qwen3_flavors["8B"]) is spec and get_model_spec("vlm").takes_images
+    with pytest.raises(ValueError, match="unknown model.name 'llama'; valid: qwen3, vlm"):
+        get_model_spec("llama")
     assert {"debugmodel", "0.6B", "1.7B", "4B", "8B"} <= qwen3_flavors.keys()
     for name, tied in [("0.6B", True), ("1.7B", True), ("4B", True), ("8B", False)]:
         assert qwen3_flavors[name].tie_embeddings is tied

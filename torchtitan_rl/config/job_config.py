@@ -38,12 +38,28 @@ class Job:
 class Model:
     """Which model to build."""
 
-    name: Literal["qwen3"] = "qwen3"
-    """Model family."""
+    name: Literal["qwen3", "vlm"] = "qwen3"
+    """Model family (``torchtitan_rl.models.registry``). qwen3: Qwen3 dense language model.
+    vlm: vision-language model in the Mistral3 / Pixtral layout on a Qwen3 language model
+    (a Pixtral vision transformer, 2x2 patch merger and MLP projector); trains on rows with
+    images."""
 
     flavor: str = "debugmodel"
-    """Size preset of the family, a key of ``torchtitan_rl.models.qwen3.args.qwen3_flavors``
-    (e.g. debugmodel, 0.6B, 1.7B, 4B, 8B)."""
+    """Size preset of the family: for qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B; for vlm
+    debugmodel, 0.6B (Pixtral vision tower of Mistral-Small-3.1 on Qwen3-0.6B)."""
+
+    freeze_vision: bool = False
+    """vlm: keep the vision tower's weights fixed (the projector and language model train)."""
+
+    image_token: str = "[IMG]"
+    """vlm: the placeholder token whose embedding an image feature replaces (one per merged
+    patch), a special token of the tokenizer."""
+
+    image_break_token: str = "[IMG_BREAK]"
+    """vlm: the token that ends each row of an image's placeholders."""
+
+    image_end_token: str = "[IMG_END]"
+    """vlm: the token that ends an image's placeholders (in place of its last row break)."""
 
     hf_assets_path: str = ""
     """Directory with an HF ``tokenizer.json`` (and, for loading weights, ``config.json`` and
@@ -109,6 +125,22 @@ class Training:
     max_tokens_per_microbatch: int = bounded(0, ge=0)
     """Token budget of one packed micro-batch. 0 puts the rank's whole share of the mini-batch
     in one micro-batch; otherwise it must be >= seq_len so any sequence fits."""
+
+    max_patches_per_microbatch: int = bounded(0, ge=0)
+    """vlm: vision-patch budget of one packed micro-batch (the images' patches, before the
+    2x2 merge), bounding the vision tower's work and memory. 0 means no budget. A sample
+    whose images exceed it is an error: samples are never split."""
+
+    max_image_tokens: int = bounded(256, gt=0)
+    """vlm: largest number of image feature tokens (merged patches) per image; larger images
+    are downscaled, keeping their aspect ratio, until they fit."""
+
+    balance_dp_compute: bool = False
+    """Assign the samples of each global mini-batch to the data-parallel ranks by estimated
+    compute (tokens, tokens squared, vision patches) instead of in contiguous slices, so the
+    slowest rank waits less. Computed identically on every rank, no communication; the
+    gradient does not change. data/dp_cost_imbalance logs the slowest rank's cost over the
+    mean."""
 
     max_norm: float = bounded(1.0, ge=0)
     """Gradient-norm clipping threshold. 0 disables clipping (the norm is still logged)."""

@@ -198,14 +198,43 @@ def _check_job_config(cfg: JobConfig) -> None:
     _check_recipe(cfg)
     # Imported here: torch and the model package are heavy and not needed to parse a command line.
     from torchtitan_rl.losses.loss_fns import loss_fn_from_config
-    from torchtitan_rl.models.qwen3.args import qwen3_flavors
+    from torchtitan_rl.models.registry import get_model_spec
 
     loss_fn_from_config(cfg.loss)
 
-    if cfg.model.flavor not in qwen3_flavors:
+    spec = get_model_spec(cfg.model.name)
+    if cfg.model.flavor not in spec.flavors:
         raise ValueError(
             f"model.flavor: unknown flavor {cfg.model.flavor!r} for model.name "
-            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, qwen3_flavors))}"
+            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, spec.flavors))}"
+        )
+    _check_vision(cfg, spec.takes_images, getattr(spec.flavors[cfg.model.flavor], "spatial_merge_size", 1))
+
+
+# Keys that only a model with a vision tower reads.
+_VISION_KEYS = (("model", ("freeze_vision", "image_token", "image_break_token", "image_end_token")),
+                ("training", ("max_patches_per_microbatch", "max_image_tokens")))
+
+
+def _check_vision(cfg: JobConfig, takes_images: bool, merge_size: int) -> None:
+    if not takes_images:
+        for section, keys in _VISION_KEYS:
+            unused = [k for k in keys if getattr(getattr(cfg, section), k) != getattr(type(getattr(cfg, section))(), k)]
+            if unused:
+                raise ValueError(f"{section}.{unused[0]}: only used by a vision-language model (model.name = 'vlm')")
+        return
+    if cfg.job.recipe != "sft":
+        raise ValueError(f"model.name: {cfg.model.name!r} trains with job.recipe = 'sft' only (GRPO generates text from text prompts)")
+    tokens = [cfg.model.image_token, cfg.model.image_break_token, cfg.model.image_end_token]
+    if len(set(tokens)) != 3 or not all(tokens):
+        raise ValueError(f"model.image_token / image_break_token / image_end_token: must be three different non-empty strings, got {tokens}")
+    t = cfg.training
+    largest_image = t.max_image_tokens * merge_size * merge_size
+    if 0 < t.max_patches_per_microbatch < largest_image:
+        raise ValueError(
+            f"training.max_patches_per_microbatch: must be 0 or >= {largest_image} (training.max_image_tokens="
+            f"{t.max_image_tokens} feature tokens of {merge_size}x{merge_size} patches) so any image fits, got "
+            f"{t.max_patches_per_microbatch}"
         )
 
 

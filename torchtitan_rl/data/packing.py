@@ -5,7 +5,28 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample
+from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample, SampleImage
+
+
+@dataclass(frozen=True)
+class VisionPacking:
+    """How micro-batches of a vision-language model carry images.
+
+    ``patch_dim`` is the length of one patch vector (C * p * p) and ``merge_size`` the side of
+    the square of patches the projector merges into one feature row.
+    """
+
+    patch_dim: int
+    merge_size: int
+
+    def dummy_image(self) -> SampleImage:
+        """The smallest image, all zeros, that no token uses: a micro-batch without images
+        still runs the vision tower once, so every rank's FSDP collectives match."""
+        m = self.merge_size
+        return SampleImage(torch.zeros(m * m, self.patch_dim), m, m)
+
+    def num_features(self, image: SampleImage) -> int:
+        return image.num_patches // (self.merge_size * self.merge_size)
 
 
 @dataclass
@@ -43,6 +64,14 @@ class MicroBatch:
     sampler_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
+    # Vision-language micro-batches: per token the row of the micro-batch's vision features
+    # that replaces its embedding, or -1 (-1 on padding too); every image's patches
+    # (``SampleImage`` layout, images in order) and patch grids. Exactly one dummy image
+    # when no sample has one. None / () for text models.
+    vision_index: torch.Tensor | None = None
+    image_patches: torch.Tensor | None = None
+    image_grids: tuple[tuple[int, int], ...] = ()
+    num_images: int = 0  # real images (the dummy is not counted)
 
     @property
     def num_tokens(self) -> int:
@@ -53,69 +82,92 @@ class MicroBatch:
         """Distinct ``seq_ids`` in the buffer, the padding pseudo-sequence included."""
         return len(self.seq_lens) + (1 if self.num_padding_tokens else 0)
 
-    def map_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MicroBatch":
-        """A copy with ``fn`` applied to every per-token tensor the data defines.
+    def token_fields(self) -> dict[str, torch.Tensor]:
+        """Every per-token tensor the data defines (``TOKEN_FIELDS`` that are set).
 
-        ``positions`` and ``seq_ids`` are left alone: they follow from the segment lengths,
-        which a split recomputes (padding continues its sequence's positions).
+        ``positions`` and ``seq_ids`` are not among them: they follow from the segment
+        lengths, which a split recomputes (padding continues its sequence's positions).
         """
-        return replace(self, **{name: fn(v) for name in TOKEN_FIELDS if (v := getattr(self, name)) is not None})
+        return {name: v for name in TOKEN_FIELDS if (v := getattr(self, name)) is not None}
+
+    def map_tokens(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "MicroBatch":
+        """A copy with ``fn`` applied to every per-token tensor of ``token_fields``."""
+        return replace(self, **{name: fn(v) for name, v in self.token_fields().items()})
 
     def to(self, device: torch.device) -> "MicroBatch":
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return replace(self.map_tokens(move), positions=move(self.positions), seq_ids=move(self.seq_ids))
+        patches = None if self.image_patches is None else move(self.image_patches)
+        return replace(
+            self.map_tokens(move), positions=move(self.positions), seq_ids=move(self.seq_ids), image_patches=patches
+        )
 
 
 # Every per-token tensor of a micro-batch that comes from the samples: one list, so packing,
 # the CP split and device moves treat labels and RL inputs alike.
-TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "seq_num_loss_tokens", *RL_TOKEN_INPUTS, "group_ids")
+TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "seq_num_loss_tokens", *RL_TOKEN_INPUTS, "group_ids", "vision_index")
 _ALWAYS = TOKEN_FIELDS[:4]
+# The value padding tokens carry, where it is not 0.
+TOKEN_PAD_VALUES = {"vision_index": -1}
 # The optional sample inputs a loss may ask ``pack`` to carry.
 OPTIONAL_INPUTS = (*RL_TOKEN_INPUTS, "group_id")
 
 
-def plan_microbatches(seq_lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices, in order, into micro-batches of at most ``max_tokens`` tokens.
+def plan_microbatches(
+    seq_lens: list[int], max_tokens: int, num_patches: list[int] | None = None, max_patches: int = 0
+) -> list[list[int]]:
+    """Group sample indices, in order, into micro-batches of at most ``max_tokens`` tokens
+    and at most ``max_patches`` vision patches (of the samples' images, ``num_patches``).
 
-    ``max_tokens == 0`` means no budget: everything goes into one micro-batch. Order is
-    kept so the plan is a pure function of the data (every rank can reason about it).
+    A budget of 0 means none: with both 0 everything goes into one micro-batch. A sample is
+    never split, so one over a budget is an error. Order is kept so the plan is a pure
+    function of the data (every rank can reason about it).
     """
-    if not seq_lens:
-        return []
-    if max_tokens == 0:
-        return [list(range(len(seq_lens)))]
+    num_patches = num_patches or [0] * len(seq_lens)
+    budgets = [(max_tokens, "tokens", "training.max_tokens_per_microbatch"),
+               (max_patches, "vision patches", "training.max_patches_per_microbatch")]
+    for i, sizes in enumerate(zip(seq_lens, num_patches)):
+        for size, (budget, what, key) in zip(sizes, budgets):
+            if budget and size > budget:
+                raise ValueError(
+                    f"a sample of {size} {what} exceeds {key}={budget} (sample {i} of this rank's "
+                    f"{len(seq_lens)}; samples are never split)"
+                )
     plan: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, n in enumerate(seq_lens):
-        if n > max_tokens:
-            raise ValueError(
-                f"a sample of {n} tokens exceeds training.max_tokens_per_microbatch={max_tokens}"
-            )
-        if current and used + n > max_tokens:
-            plan.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    plan.append(current)
+    used = [0, 0]
+    for i, sizes in enumerate(zip(seq_lens, num_patches)):
+        fits = all(not budget or u + size <= budget for u, size, (budget, _, _) in zip(used, sizes, budgets))
+        if not plan or not fits:
+            plan.append([])
+            used = [0, 0]
+        plan[-1].append(i)
+        used = [u + size for u, size in zip(used, sizes)]
     return plan
 
 
-def pack(samples: list[Sample], pad_multiple: int = 1, inputs: tuple[str, ...] = ()) -> MicroBatch:
+def pack(
+    samples: list[Sample], pad_multiple: int = 1, inputs: tuple[str, ...] = (), vision: VisionPacking | None = None
+) -> MicroBatch:
     """Concatenate samples into one micro-batch; labels stay those built per sequence.
 
     ``inputs`` names the optional inputs (``OPTIONAL_INPUTS``) to carry; every sample has
     them (see ``data.sample.find_input_problem``). The token count is padded up to a
     multiple of ``pad_multiple`` (sequence parallel shards the token dim evenly) with
-    zero-weight tokens forming their own sequence.
+    zero-weight tokens forming their own sequence. With ``vision`` the samples' images are
+    packed too, and each sample's ``vision_rows`` are shifted past the feature rows of the
+    images before it into the micro-batch's ``vision_index``.
     """
     assert samples, "pack() needs at least one sample; use padding_microbatch() for none"
     seq_lens = [len(s) for s in samples]
     num_padding = -sum(seq_lens) % pad_multiple
     lens = seq_lens + ([num_padding] if num_padding else [])
     columns = {name: [_token_values(s, name) for s in samples] for name in _sample_fields(inputs)}
-    packed = {name: torch.cat(parts + [torch.zeros(num_padding, dtype=parts[0].dtype)]) for name, parts in columns.items()}
-    return MicroBatch(
+    if vision is not None:
+        columns["vision_index"], images = _vision_rows_and_images(samples, vision)
+    packed = {
+        name: torch.cat(parts + [torch.full((num_padding,), TOKEN_PAD_VALUES.get(name, 0), dtype=parts[0].dtype)])
+        for name, parts in columns.items()
+    }
+    mb = MicroBatch(
         **packed,
         positions=torch.cat([torch.arange(n) for n in lens]),
         seq_ids=torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)),
@@ -123,10 +175,32 @@ def pack(samples: list[Sample], pad_multiple: int = 1, inputs: tuple[str, ...] =
         num_padding_tokens=num_padding,
         num_loss_tokens=sum(s.num_loss_tokens for s in samples),
     )
+    return _with_images(mb, images, vision) if vision is not None else mb
+
+
+def _vision_rows_and_images(samples: list[Sample], vision: VisionPacking) -> tuple[list[torch.Tensor], list[SampleImage]]:
+    rows, images, offset = [], [], 0
+    for sample in samples:
+        sample_rows = sample.vision_rows if sample.vision_rows is not None else torch.full((len(sample),), -1)
+        rows.append(torch.where(sample_rows >= 0, sample_rows + offset, -1))
+        for image in sample.images or ():
+            images.append(image)
+            offset += vision.num_features(image)
+    return rows, images
+
+
+def _with_images(mb: MicroBatch, images: list[SampleImage], vision: VisionPacking) -> MicroBatch:
+    run = images or [vision.dummy_image()]
+    return replace(
+        mb,
+        image_patches=torch.cat([image.patches.to(torch.float32) for image in run]),
+        image_grids=tuple((image.rows, image.cols) for image in run),
+        num_images=len(images),
+    )
 
 
 def _sample_fields(inputs: tuple[str, ...]) -> list[str]:
-    """The ``TOKEN_FIELDS`` a micro-batch carrying ``inputs`` fills."""
+    """The ``TOKEN_FIELDS`` a micro-batch carrying ``inputs`` fills from its samples."""
     assert set(inputs) <= set(OPTIONAL_INPUTS), inputs
     wanted = {"group_ids" if name == "group_id" else name for name in inputs}
     return [name for name in TOKEN_FIELDS if name in _ALWAYS or name in wanted]
@@ -144,17 +218,23 @@ def _token_values(sample: Sample, name: str) -> torch.Tensor:
     return getattr(sample, name)
 
 
-def padding_microbatch(num_tokens: int = 1, inputs: tuple[str, ...] = ()) -> MicroBatch:
-    """A micro-batch with no loss token: runs the model, contributes nothing."""
+def padding_microbatch(
+    num_tokens: int = 1, inputs: tuple[str, ...] = (), vision: VisionPacking | None = None
+) -> MicroBatch:
+    """A micro-batch with no loss token: runs the model (and the vision tower on the dummy
+    image), contributes nothing."""
     dtypes = {"loss_mask": torch.bool, **{name: torch.float32 for name in RL_TOKEN_INPUTS}}
-    return MicroBatch(
-        **{name: torch.zeros(num_tokens, dtype=dtypes.get(name, torch.long)) for name in _sample_fields(inputs)},
+    fields = _sample_fields(inputs) + (["vision_index"] if vision is not None else [])
+    mb = MicroBatch(
+        **{name: torch.full((num_tokens,), TOKEN_PAD_VALUES.get(name, 0), dtype=dtypes.get(name, torch.long))
+           for name in fields},
         positions=torch.arange(num_tokens),
         seq_ids=torch.zeros(num_tokens, dtype=torch.long),
         seq_lens=[],
         is_padding=True,
         num_padding_tokens=num_tokens,
     )
+    return _with_images(mb, [], vision) if vision is not None else mb
 
 
 def build_microbatches(
@@ -163,8 +243,9 @@ def build_microbatches(
     num_microbatches: int,
     pad_multiple: int = 1,
     inputs: tuple[str, ...] = (),
+    vision: VisionPacking | None = None,
 ) -> list[MicroBatch]:
     """Pack ``samples`` by ``plan`` (see plan_microbatches), then pad with filler up to ``num_microbatches``."""
     assert len(plan) <= num_microbatches
-    packed = [pack([samples[i] for i in group], pad_multiple, inputs) for group in plan]
-    return packed + [padding_microbatch(pad_multiple, inputs) for _ in range(num_microbatches - len(plan))]
+    packed = [pack([samples[i] for i in group], pad_multiple, inputs, vision) for group in plan]
+    return packed + [padding_microbatch(pad_multiple, inputs, vision) for _ in range(num_microbatches - len(plan))]

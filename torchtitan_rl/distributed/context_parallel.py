@@ -19,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.compat import all_gather, all_gather_autograd
-from torchtitan_rl.data.packing import MicroBatch
+from torchtitan_rl.data.packing import TOKEN_PAD_VALUES, MicroBatch
 from torchtitan_rl.models.attention import AttentionContext, build_attention_context
 
 
@@ -109,10 +109,14 @@ def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> M
     Labels, loss masks, RL inputs and the per-sequence loss-token counts were built on the
     whole sequences and are only moved here, all with the same index, so weights computed
     from the share are exactly the whole sequence's weights, restricted to this rank's tokens.
+    Images are not split: every CP rank runs the vision tower on all of them and its share
+    of ``vision_index`` picks its own feature rows, so an image whose tokens straddle a chunk
+    boundary lands on both ranks correctly.
     """
     layout = microbatch_layout(mb, cp, multiple)
     return replace(
-        mb.map_tokens(lambda values: layout.split(values, rank)),
+        mb,
+        **{name: layout.split(values, rank, TOKEN_PAD_VALUES.get(name, 0)) for name, values in mb.token_fields().items()},
         positions=layout.positions(rank),
         seq_ids=layout.seq_ids(rank),
         cp_layout=layout,

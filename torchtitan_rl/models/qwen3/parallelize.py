@@ -18,9 +18,18 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 
-def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def parallelize_qwen3(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    extra_fsdp_units: list[nn.Module] = (),
+) -> None:
     """Tensor parallel first (it changes parameters into TP DTensors), context parallel
-    (attention only: parameters are untouched), then FSDP2 on top, sharding over dp_shard × cp."""
+    (attention only: parameters are untouched), then FSDP2 on top, sharding over dp_shard × cp.
+
+    ``extra_fsdp_units`` are modules outside the decoder (a vision tower's blocks) that get
+    their own FSDP groups before the decoder blocks, in forward order."""
     tp_mesh = parallel_dims.mesh("tp")
     if tp_mesh is not None:
         check_tp_divisibility(model.args, tp_mesh.size())
@@ -30,7 +39,7 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, param_dtype
         model.attention_context_builder = cp_attention_context_builder(cp_mesh)
     mesh = parallel_dims.fsdp_mesh()
     if mesh is not None:
-        apply_fsdp(model, list(model.layers.values()), mesh, param_dtype, reduce_dtype)
+        apply_fsdp(model, [*extra_fsdp_units, *model.layers.values()], mesh, param_dtype, reduce_dtype)
 
 
 def check_tp_divisibility(args: Qwen3ModelArgs, tp: int) -> None:

@@ -1,0 +1,66 @@
+"""Model registry: each family's args and flavors, model class, parallelize function and
+Hugging Face adapter (torchtitan's train spec), so the trainer builds ``[model] name`` with
+no per-family branches."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from torchtitan_rl.models.qwen3 import state_dict_adapter as qwen3_adapter
+from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
+from torchtitan_rl.models.vlm import state_dict_adapter as vlm_adapter
+from torchtitan_rl.models.vlm.args import VLMModelArgs, vlm_flavors
+from torchtitan_rl.models.vlm.model import VLMModel
+from torchtitan_rl.models.vlm.parallelize import parallelize_vlm
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    args_cls: type  # from_hf_config / to_hf_config / from_dict
+    flavors: dict[str, Any]
+    model_cls: type[nn.Module]
+    # (model, parallel_dims, param_dtype, reduce_dtype) -> None, in place
+    parallelize: Callable[..., None]
+    # Our state-dict keys -> Hugging Face's, and back (from_hf(hf_state_dict, args)).
+    to_hf: Callable[[dict], dict]
+    from_hf: Callable[[dict, Any], dict]
+    hf_model_type: str  # the ``model_type`` of the family's HF config.json
+    takes_images: bool = False
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "qwen3": ModelSpec(
+        "qwen3", Qwen3ModelArgs, qwen3_flavors, Qwen3Model, parallelize_qwen3,
+        qwen3_adapter.to_hf, qwen3_adapter.from_hf, "qwen3",
+    ),
+    "vlm": ModelSpec(
+        "vlm", VLMModelArgs, vlm_flavors, VLMModel, parallelize_vlm,
+        vlm_adapter.to_hf, vlm_adapter.from_hf, "mistral3", takes_images=True,
+    ),
+}
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in MODEL_SPECS:
+        raise ValueError(f"unknown model.name {name!r}; valid: {', '.join(MODEL_SPECS)}")
+    return MODEL_SPECS[name]
+
+
+def spec_for_args(args) -> ModelSpec:
+    """The family whose args class ``args`` is (exactly: a VLM's args extend Qwen3's)."""
+    return next(spec for spec in MODEL_SPECS.values() if type(args) is spec.args_cls)
+
+
+def spec_for_hf_config(config: dict, source: str) -> ModelSpec:
+    """The family that reads an HF ``config.json`` of this ``model_type``."""
+    model_type = config.get("model_type")
+    for spec in MODEL_SPECS.values():
+        if spec.hf_model_type == model_type:
+            return spec
+    known = ", ".join(repr(spec.hf_model_type) for spec in MODEL_SPECS.values())
+    raise ValueError(f"{source}: model_type is {model_type!r}; supported: {known}")
