@@ -1,0 +1,179 @@
+"""Vision-language training on CPU, measured: the shapes recipe's step time and per-rank peak
+memory, its colour accuracy over several seeds, and what DP compute balancing does for the
+slowest rank on very uneven images.
+
+    .venv/bin/python scripts/benchmark_vlm.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_vlm.py --no-write # print only
+
+1. ``train.py`` with ``train_configs/vlm_shapes.toml`` on ``--ranks`` gloo ranks for ``--steps``
+   steps, logging every step: step time (the step's tokens over the logged per-rank
+   throughput) and peak RSS per rank, medians over the steps after the first 5.
+2. The recipe run in full (its ``training.steps``) for each of ``--seeds``, exported in HF
+   format, then ``scripts/eval_vlm_shapes.py`` on 60 fresh colour questions (chance 1/6):
+   the calibration of tests/integration/test_vlm.py.
+3. ``Engine.forward_backward`` + ``optim_step`` of the ``debugmodel`` VLM on 2 FSDP ranks, on a
+   global batch where two samples carry four large images each and the rest are short text:
+   the contiguous split puts both on one rank. Balancing off and on alternate for ``--repeats``
+   rounds; FSDP's collectives make every rank wait for the slowest, so rank 0's step time is
+   the slowest rank's. Also the cost model's max/mean rank cost of both splits.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmark_docs import publish  # noqa: E402
+
+
+def recipe_figures(ranks: int, steps: int) -> dict:
+    from torchtitan_rl.tensorboard_io import read_scalars
+
+    with tempfile.TemporaryDirectory() as dump:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
+               "--job.config_file", "train_configs/vlm_shapes.toml", "--training.steps", str(steps),
+               "--metrics.log_freq", "1", "--job.dump_folder", dump]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        scalars = read_scalars(os.path.join(dump, "tb"))
+    later = range(6, steps + 1)
+    step_s = [scalars["tokens/total"][s] / (scalars["throughput(tps)"][s] * ranks) for s in later]
+    return {
+        "step_s": statistics.median(step_s),
+        "rss_gib": max(scalars["memory/peak_rss(GiB)"][s] for s in later),
+        "tokens": statistics.median(scalars["tokens/total"][s] for s in later),
+        "images": scalars["data/num_images"][steps] / steps,
+    }
+
+
+def accuracy(seed: int, ranks: int) -> tuple[float, float, float]:
+    """(first loss, last loss, colour accuracy) of the recipe trained with ``seed``."""
+    import json
+
+    from torchtitan_rl.tensorboard_io import read_scalars
+
+    with tempfile.TemporaryDirectory() as dump:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
+               "--job.config_file", "train_configs/vlm_shapes.toml", "--debug.seed", str(seed), "--job.dump_folder", dump,
+               "--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
+               "--checkpoint.last_save_in_hf", "true"]
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        loss = read_scalars(os.path.join(dump, "tb"))["loss_metrics/global_avg_loss"]
+        (export,) = os.listdir(os.path.join(dump, "checkpoint"))
+        out = subprocess.run([sys.executable, "scripts/eval_vlm_shapes.py", os.path.join(dump, "checkpoint", export),
+                              "--questions", "60"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    return loss[min(loss)], loss[max(loss)], json.loads(out.splitlines()[-1])["colour_accuracy"]
+
+
+def balance_worker(repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance, sample_cost
+    from torchtitan_rl.data.sample import Sample, SampleImage
+    from torchtitan_rl.distributed.parallel_dims import ParallelDims
+    from torchtitan_rl.distributed.utils import init_distributed
+    from torchtitan_rl.engine import Engine, EngineOptions
+    from torchtitan_rl.models.vlm.args import vlm_flavors
+    from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+    from torchtitan_rl.trainer import build_model, vision_packing
+
+    rank, world, device = init_distributed(300)
+    dims = ParallelDims(1, -1, 1, 1, world_size=world)
+    dims.build_meshes("cpu")
+    args = vlm_flavors["debugmodel"]
+    model = build_model(args, dims, device, 0, torch.float32)
+    optimizer = build_optimizer(model, 1e-4, 0.9, 0.95, 1e-8, 0.0)
+    engine = Engine(model, optimizer, build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0), dims, device,
+                    EngineOptions("token_mean", 1, 0, 1024, 1.0, vision=vision_packing(args)))
+    gen = torch.Generator().manual_seed(0)
+    side, merge = 16, args.spatial_merge_size  # 16 x 16 patches (224 px): 64 image tokens
+    samples = []
+    for i in range(8):
+        num_images = 4 if i in (0, 1) else 0
+        per_image = (side // merge) ** 2
+        n = 96 + num_images * per_image
+        rows = torch.full((n,), -1)
+        rows[8 : 8 + num_images * per_image] = torch.arange(num_images * per_image)
+        images = [SampleImage(torch.randn(side * side, args.vision.patch_dim, generator=gen), side, side)
+                  for _ in range(num_images)]
+        samples.append(Sample(input_ids=torch.randint(0, 250, (n,), generator=gen),
+                              labels=torch.randint(0, 250, (n,), generator=gen), loss_mask=torch.arange(n) >= 8 + num_images * per_image,
+                              images=images or None, vision_rows=rows if images else None))
+    costs = [sample_cost(len(s), s.num_patches) for s in samples]
+    splits = {"off": contiguous_split(len(samples), world), "on": assign_to_ranks(costs, world)}
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for round_ in range(repeats + 1):
+        for name, split in splits.items():
+            dist.barrier()
+            start = time.perf_counter()
+            engine.forward_backward([samples[i] for i in split[rank]])
+            engine.optim_step()
+            dist.barrier()
+            if round_ > 0:  # the first round warms up
+                times[name].append(time.perf_counter() - start)
+    if rank == 0:
+        for name, split in splits.items():
+            print(f"RESULT {name} {statistics.median(times[name]):.4f} {imbalance(costs, split):.3f}")
+    dist.destroy_process_group()
+
+
+def balance_figures(repeats: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           "--balance-worker", "--repeats", str(repeats)]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    figures = {}
+    for line in out.splitlines():
+        if line.startswith("RESULT"):
+            _, name, seconds, cost_ratio = line.split()
+            figures[name] = (float(seconds), float(cost_ratio))
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--seeds", default="42,1,2,3", help="seeds of the accuracy runs (42 is the recipe's)")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--balance-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.balance_worker:
+        balance_worker(args.repeats)
+        return
+    recipe = recipe_figures(args.ranks, args.steps)
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    accuracies = {seed: accuracy(seed, args.ranks) for seed in seeds}
+    balance = balance_figures(args.repeats)
+    off, on = balance["off"], balance["on"]
+    cmd = "python scripts/benchmark_vlm.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
+    lines = [
+        f"## VLM training on CPU ({datetime.date.today()})",
+        "",
+        f"Command: `{cmd}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}.",
+        "",
+        f"- `vlm_shapes.toml` on {args.ranks} gloo ranks (debugmodel VLM, 16 samples/step, "
+        f"~{recipe['images']:.1f} images and {recipe['tokens']:.0f} tokens per step): median step "
+        f"{recipe['step_s'] * 1000:.0f} ms, peak RSS {recipe['rss_gib']:.2f} GiB per rank (steps 6-{args.steps}).",
+        f"- The recipe's full run on {args.ranks} ranks, colour accuracy on 60 fresh questions (chance 0.17), "
+        "by seed: " + ", ".join(f"{seed}: loss {first:.2f} → {last:.2f}, accuracy {acc:.2f}"
+                                for seed, (first, last, acc) in accuracies.items()) + ".",
+        f"- DP compute balancing, 2 FSDP ranks, two samples with 4 images of 16x16 patches each plus six "
+        f"text samples: slowest-rank step {off[0] * 1000:.0f} ms contiguous vs {on[0] * 1000:.0f} ms balanced "
+        f"({off[0] / on[0]:.2f}x); cost-model max/mean rank cost {off[1]:.2f} vs {on[1]:.2f} "
+        f"(median of {args.repeats} alternating rounds).",
+    ]
+    publish(lines, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
