@@ -354,6 +354,8 @@ def test_vlm_flavors_and_settings():
     (["--model.name", "vlm", "--training.max_patches_per_microbatch", "100"],
      ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"]),
     (["--model.name", "vlm", "--model.image_break_token", "[IMG]"], ["three different non-empty strings"]),
+    (["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.balance_dp_compute", "true"],
+     ["training.balance_dp_compute", "not used by job.recipe = 'grpo'"]),
 ])
 def test_vision_settings_fail_closed(argv, fragments):
     assert_error(argv, *fragments)

@@ -139,8 +139,8 @@ class Training:
     """Assign the samples of each global mini-batch to the data-parallel ranks by estimated
     compute (tokens, tokens squared, vision patches) instead of in contiguous slices, so the
     slowest rank waits less. Computed identically on every rank, no communication; the
-    gradient does not change. data/dp_cost_imbalance logs the slowest rank's cost over the
-    mean."""
+    gradient does not change (except under token_mean_legacy, layout-dependent on purpose).
+    data/dp_cost_imbalance logs the slowest rank's cost over the mean. SFT only."""
 
     max_norm: float = bounded(1.0, ge=0)
     """Gradient-norm clipping threshold. 0 disables clipping (the norm is still logged)."""

@@ -260,7 +260,7 @@ def _check_profiling(cfg: JobConfig) -> None:
 # Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
 RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 # SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
-_SFT_DATA_KEYS = ("dataset", "dataset_path", "global_batch_size")
+_SFT_DATA_KEYS = ("dataset", "dataset_path", "global_batch_size", "balance_dp_compute")
 
 
 def _non_default(section, defaults) -> list[str]:
