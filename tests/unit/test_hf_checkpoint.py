@@ -116,7 +116,7 @@ def test_flavor_config_round_trip(flavor):
 @pytest.mark.parametrize(
     "change, field",
     [
-        ({"model_type": "qwen3_moe"}, "model_type"),
+        ({"model_type": "qwen2_moe"}, "model_type"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"attention_bias": True}, "attention_bias"),
         ({"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),

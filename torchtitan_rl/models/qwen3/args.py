@@ -1,9 +1,12 @@
-"""Qwen3 dense model hyper-parameters, the published flavors, and conversion from/to HF ``config.json``."""
+"""Qwen3 hyper-parameters (dense and Qwen3-MoE), the published flavors, and conversion from/to
+HF ``config.json`` (``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``)."""
 
+import dataclasses
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, ClassVar
 
 from torchtitan_rl.models.attention import ATTN_BACKEND_CHOICES
+from torchtitan_rl.models.moe import EXPERTS_IMPL_CHOICES
 
 REQUIRED = object()  # marks config.json fields without a default
 
@@ -34,11 +37,20 @@ class Qwen3ModelArgs:
     tie_embeddings: bool = False
     max_seq_len: int = 40960
     attn_backend: str = "sdpa_dense"
+    # Mixture of experts (Qwen3-MoE); a dense model when num_experts == 0, and then every other
+    # MoE field must keep its default so that equal dense models have equal args.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_hidden_dim: int = 0  # SwiGLU inner size of one expert (HF moe_intermediate_size)
+    norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1
+    decoder_sparse_step: int = 1  # with num_experts > 0: layer i is MoE iff (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those stay dense)
+    experts_impl: str = "auto"  # auto | grouped_mm | loop (see models.moe.GroupedExperts)
 
     # Runtime choices, not properties of the weights or of the function the model computes (RoPE
     # is evaluated at each token's position, so the context length only bounds the data).
     # ``architecture_differences`` skips them; subclasses extend the tuple.
-    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("attn_backend", "max_seq_len")
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("attn_backend", "max_seq_len", "experts_impl")
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads != 0:
@@ -52,6 +64,68 @@ class Qwen3ModelArgs:
                 f"unknown attn_backend {self.attn_backend!r}; valid: "
                 f"{', '.join(ATTN_BACKEND_CHOICES)}"
             )
+        self._check_moe_fields()
+
+    def _check_moe_fields(self) -> None:
+        # JSON (checkpoints store asdict) turns the tuple into a list; sorted so that the same
+        # set of layers is one value (HF only tests membership).
+        layers = self.mlp_only_layers
+        if not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+            raise ValueError(f"mlp_only_layers must be a sequence of layer indices, got {layers!r}")
+        self.mlp_only_layers = tuple(sorted(set(layers)))
+        if self.experts_impl not in EXPERTS_IMPL_CHOICES:
+            raise ValueError(
+                f"unknown experts_impl {self.experts_impl!r}; valid: {', '.join(EXPERTS_IMPL_CHOICES)}"
+            )
+        for name in ("num_experts", "num_experts_per_tok", "moe_hidden_dim", "decoder_sparse_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        if self.num_experts == 0:
+            defaults = {"num_experts_per_tok": 0, "moe_hidden_dim": 0, "norm_topk_prob": True,
+                        "decoder_sparse_step": 1, "mlp_only_layers": ()}
+            changed = [f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
+                       if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"a dense model (num_experts=0) must keep the MoE defaults, got {', '.join(changed)}")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            )
+        if self.moe_hidden_dim < 1:
+            raise ValueError(f"moe_hidden_dim must be positive for an MoE model, got {self.moe_hidden_dim}")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        if outside:
+            raise ValueError(f"mlp_only_layers {outside} are not layers of a {self.n_layers}-layer model")
+        if not self.moe_layers:
+            # Would be a dense model with unused MoE fields; say num_experts=0 instead.
+            raise ValueError(
+                f"num_experts={self.num_experts} but no layer is MoE (decoder_sparse_step="
+                f"{self.decoder_sparse_step}, mlp_only_layers={list(self.mlp_only_layers)})"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """HF Qwen3-MoE's rule: layer ``layer`` holds experts instead of the dense SwiGLU."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the MoE layers, in order (the layer axis of ``RouterStats``)."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    @property
+    def is_moe(self) -> bool:
+        # Validation guarantees at least one MoE layer whenever there are experts.
+        return self.num_experts > 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Qwen3ModelArgs":
@@ -65,15 +139,18 @@ class Qwen3ModelArgs:
     ) -> "Qwen3ModelArgs":
         """The args of an HF ``Qwen3Config`` dict (the contents of ``config.json``).
 
-        Shape fields are required; the others default as in transformers' ``Qwen3Config``.
-        Anything this model cannot compute (MoE, biases, sliding window, scaled RoPE, another
-        activation) is a ValueError naming ``source`` and the field, never silently ignored.
+        Reads ``Qwen3Config`` (model_type "qwen3") and ``Qwen3MoeConfig`` ("qwen3_moe"). Shape
+        fields are required (for MoE also the expert count, top-k and expert size); the others
+        default as in transformers. Anything this model cannot compute (shared experts, router
+        biases, attention biases, sliding window, scaled RoPE, another activation) is a
+        ValueError naming ``source`` and the field, never silently ignored.
         """
         _check_hf_config_supported(config, source)
 
         def get(key: str, kind: type, default: Any = REQUIRED) -> Any:
             return hf_config_field(config, key, kind, source, default)
 
+        moe = _moe_from_hf(config, source) if config.get("model_type") == "qwen3_moe" else {}
         return cls(
             vocab_size=get("vocab_size", int),
             dim=get("hidden_size", int),
@@ -87,17 +164,19 @@ class Qwen3ModelArgs:
             tie_embeddings=get("tie_word_embeddings", bool, False),
             max_seq_len=get("max_position_embeddings", int, 32768),
             attn_backend=attn_backend,
+            **moe,
         )
 
     def to_hf_config(self, torch_dtype: str) -> dict[str, Any]:
-        """``config.json`` of the equivalent HF ``Qwen3ForCausalLM``, weights stored as ``torch_dtype``.
+        """``config.json`` of the equivalent HF ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for
+        an MoE model), weights stored as ``torch_dtype``.
 
         Laid out like the published Qwen3 checkpoints (top-level ``rope_theta``), which
         transformers 4.51+ and 5 (which moved it into ``rope_parameters``) both read.
         """
-        return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+        config = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.is_moe else "qwen3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
             "num_hidden_layers": self.n_layers,
@@ -118,14 +197,36 @@ class Qwen3ModelArgs:
             "max_window_layers": self.n_layers,
             "torch_dtype": torch_dtype,
         }
+        if self.is_moe:
+            config.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_hidden_dim,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                # HF adds its balance loss only when asked for router logits; the coefficient
+                # is the published checkpoints' (a training choice, not part of the weights).
+                output_router_logits=False,
+                router_aux_loss_coef=0.001,
+            )
+        return config
+
+
+# Qwen2-MoE / DeepSeek-style MoE features that Qwen3-MoE (and our MoE) does not have; a
+# config enabling one describes another model.
+_UNSUPPORTED_MOE_FIELDS = (
+    "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+    "router_bias", "moe_router_bias", "gate_bias", "n_group", "topk_group", "routed_scaling_factor",
+)
 
 
 def _check_hf_config_supported(config: dict[str, Any], source: str) -> None:
     model_type = config.get("model_type")
-    if model_type != "qwen3":
+    if model_type not in ("qwen3", "qwen3_moe"):
         raise ValueError(
-            f"{source}: model_type is {model_type!r}; only dense Qwen3 ('qwen3') is supported "
-            "(not MoE or other architectures)"
+            f"{source}: model_type is {model_type!r}; only Qwen3 ('qwen3') and Qwen3-MoE "
+            "('qwen3_moe') are supported"
         )
     for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
         if config.get(key, supported) != supported:
@@ -133,6 +234,33 @@ def _check_hf_config_supported(config: dict[str, Any], source: str) -> None:
     layer_types = config.get("layer_types") or []
     if any(layer_type != "full_attention" for layer_type in layer_types):
         raise ValueError(f"{source}: layer_types={layer_types!r}; only 'full_attention' layers are supported")
+
+
+def _moe_from_hf(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The MoE fields of a ``Qwen3MoeConfig`` dict (empty when it has no experts: a dense model)."""
+    for key in _UNSUPPORTED_MOE_FIELDS:
+        if config.get(key) not in (None, 0, False):
+            raise ValueError(f"{source}: {key}={config[key]!r} is not supported (Qwen3-MoE has none)")
+    # The published configs say num_experts; transformers 5 writes its alias num_local_experts.
+    spellings = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    if len(set(map(repr, spellings.values()))) > 1:
+        raise ValueError(f"{source}: num_experts and num_local_experts disagree: {spellings}")
+    key = next(iter(spellings), "num_experts")
+    num_experts = hf_config_field(config, key, int, source)
+    if num_experts == 0:
+        return {}  # transformers builds every layer dense: the MoE fields mean nothing
+    layers = config.get("mlp_only_layers") or []
+    if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+        raise ValueError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
+    return {
+        "num_experts": num_experts,
+        "num_experts_per_tok": hf_config_field(config, "num_experts_per_tok", int, source),
+        "moe_hidden_dim": hf_config_field(config, "moe_intermediate_size", int, source),
+        # transformers' Qwen3MoeConfig default (the published checkpoints say true).
+        "norm_topk_prob": hf_config_field(config, "norm_topk_prob", bool, source, False),
+        "decoder_sparse_step": hf_config_field(config, "decoder_sparse_step", int, source, 1),
+        "mlp_only_layers": tuple(layers),
+    }
 
 
 def _hf_rope_theta(config: dict[str, Any], source: str) -> float:
@@ -152,6 +280,22 @@ def _hf_rope_theta(config: dict[str, Any], source: str) -> float:
     if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
         raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     return float(theta)
+
+
+def _published_moe(dim, n_layers, n_heads, hidden_dim, moe_hidden_dim) -> Qwen3ModelArgs:
+    # Shared by the released Qwen3 MoE models (Qwen3-30B-A3B, Qwen3-235B-A22B config.json):
+    # 4 KV heads, 128 experts, top-8 renormalized, every layer MoE; intermediate_size is in the
+    # config although no layer is dense.
+    return dataclasses.replace(
+        _published(dim, n_layers, n_heads, hidden_dim, tie_embeddings=False),
+        n_kv_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_hidden_dim=moe_hidden_dim,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    )
 
 
 def _published(dim, n_layers, n_heads, hidden_dim, tie_embeddings) -> Qwen3ModelArgs:
@@ -189,6 +333,27 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     "1.7B": _published(dim=2048, n_layers=28, n_heads=16, hidden_dim=6144, tie_embeddings=True),
     "4B": _published(dim=2560, n_layers=36, n_heads=32, hidden_dim=9728, tie_embeddings=True),
     "8B": _published(dim=4096, n_layers=36, n_heads=32, hidden_dim=12288, tie_embeddings=False),
+    # Tiny MoE for CPU tests and smoke runs: the debugmodel's attention, a dense first layer
+    # (mlp_only_layers) then three MoE layers of 8 experts, top-2.
+    "debugmodel_moe": Qwen3ModelArgs(
+        vocab_size=512,
+        dim=128,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=32,
+        hidden_dim=384,
+        rope_theta=1_000_000.0,
+        tie_embeddings=False,
+        max_seq_len=2048,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_hidden_dim=64,
+        norm_topk_prob=True,
+        mlp_only_layers=(0,),
+    ),
+    "30B-A3B": _published_moe(dim=2048, n_layers=48, n_heads=32, hidden_dim=6144, moe_hidden_dim=768),
+    "235B-A22B": _published_moe(dim=4096, n_layers=94, n_heads=64, hidden_dim=12288, moe_hidden_dim=1536),
 }
 
 

@@ -1,4 +1,5 @@
-"""Qwen3 dense decoder, single-device PyTorch on packed micro-batches.
+"""Qwen3 decoder (dense, or Qwen3-MoE with some layers' SwiGLU replaced by experts),
+single-device PyTorch on packed micro-batches.
 
 Parallelism (FSDP, TP, CP) is applied from outside by ``parallelize.py``. The model has no
 buffers: rotary tables are computed from the explicit per-token positions on every forward,
@@ -7,6 +8,8 @@ so a model built on the meta device only needs ``to_empty`` + ``init_weights``.
 
 import math
 import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +20,7 @@ from torchtitan_rl.models.attention import (
     build_attention_context,
     packed_attention,
 )
+from torchtitan_rl.models.moe import MoE, RouterStats
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 INIT_STD = 0.02
@@ -129,13 +133,54 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@dataclass(frozen=True)
+class MoEContext:
+    """Per-forward metadata of the MoE layers, built once per forward like the attention
+    context: this rank's tokens' ``seq_ids`` and ``router_mask`` (what the residual stream
+    holds, see ``Qwen3Model.shard_tokens``) and the micro-batch's number of sequences."""
+
+    seq_ids: torch.Tensor
+    router_mask: torch.Tensor
+    num_seqs: int
+
+
+class MoETransformerBlock(nn.Module):
+    """Pre-norm residual block, attention then a mixture of experts (``moe``); returns the
+    residual stream and the layer's router statistics ``(counts, prob_sums, z_sums)``."""
+
+    def __init__(self, args: Qwen3ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = MoE(
+            args.dim, args.moe_hidden_dim, args.num_experts, args.num_experts_per_tok,
+            args.norm_topk_prob, args.experts_impl,
+        )
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, rotary, attn_context, moe_context: MoEContext):
+        x = x + self.attention(self.attention_norm(x), rotary, attn_context)
+        out, counts, prob_sums, z_sums = self.moe(
+            self.ffn_norm(x), moe_context.seq_ids, moe_context.router_mask, moe_context.num_seqs
+        )
+        return x + out, counts, prob_sums, z_sums
+
+
+def _identity(tokens: torch.Tensor) -> torch.Tensor:
+    return tokens
+
+
 class Qwen3Model(nn.Module):
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(Attention(args), args.dim, args.hidden_dim, args.norm_eps) for i in range(args.n_layers)}
+            {
+                str(i): MoETransformerBlock(args) if args.is_moe_layer(i)
+                else TransformerBlock(Attention(args), args.dim, args.hidden_dim, args.norm_eps)
+                for i in range(args.n_layers)
+            }
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -144,23 +189,45 @@ class Qwen3Model(nn.Module):
         # Builds the per-forward mask data from (backend, seq_ids, positions). Parallelism
         # may swap it (context parallel attends to keys gathered from other ranks).
         self.attention_context_builder = build_attention_context
+        # Maps a per-token tensor of the whole micro-batch to the tokens this rank's residual
+        # stream holds. Identity here; under sequence-parallel TP the parallelize code sets it
+        # to this rank's chunk, so that the MoE metadata lines up with the MoE input.
+        self.shard_tokens: Callable[[torch.Tensor], torch.Tensor] = _identity
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Final-normed hidden states ``[T, dim]`` of a packed micro-batch.
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        router_mask: torch.Tensor | None = None,
+        num_seqs: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """Final-normed hidden states ``[T, dim]`` of a packed micro-batch; for an MoE model
+        ``(hidden, RouterStats)`` (see ``decode`` for ``router_mask`` and ``num_seqs``).
 
         Logits are left to the caller (``self.output``), which applies them in token chunks
         so that ``[T, vocab]`` is never materialized at once.
         """
         check_packed_inputs(tokens, positions, seq_ids)
-        return self.decode(self.tok_embeddings(tokens), positions, seq_ids)
+        return self.decode(self.tok_embeddings(tokens), positions, seq_ids, router_mask, num_seqs)
 
-    def decode(self, h: torch.Tensor, positions: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        """The decoder stack on input embeddings ``h [T, dim]``: final-normed hidden ``[T, dim]``.
+    def decode(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        seq_ids: torch.Tensor,
+        router_mask: torch.Tensor | None = None,
+        num_seqs: int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
+        """The decoder stack on input embeddings ``h [T, dim]``: final-normed hidden ``[T, dim]``,
+        and for an MoE model also the ``RouterStats`` of its MoE layers.
 
         Split from ``forward`` so a multimodal model can replace some token embeddings
-        (image features) between the embedding lookup and the decoder.
+        (image features) between the embedding lookup and the decoder. ``router_mask [T]``
+        (bool, default all true) marks the real tokens whose routing the statistics count;
+        ``num_seqs`` (default ``max(seq_ids) + 1``, a host sync) sizes their sequence axis and
+        should be passed whenever ``seq_ids`` may not show the last sequence (context parallel).
+        Dense models ignore both.
         """
         # Only h's rank is checked: under sequence-parallel TP it holds this rank's share of
         # the T tokens, while positions and seq_ids describe all of them.
@@ -171,9 +238,47 @@ class Qwen3Model(nn.Module):
             )
         attn_context = self.attention_context_builder(self.args.attn_backend, seq_ids, positions)
         rotary = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rotary, attn_context)
-        return self.norm(h)
+        if not self.args.is_moe:
+            for layer in self.layers.values():
+                h = layer(h, rotary, attn_context)
+            return self.norm(h)
+
+        moe_context = self._moe_context(h, seq_ids, router_mask, num_seqs)
+        stats = []
+        # Layer kinds from the args, not isinstance: wrappers (activation checkpointing,
+        # compile) hide the block class.
+        for name, layer in self.layers.items():
+            if self.args.is_moe_layer(int(name)):
+                h, *layer_stats = layer(h, rotary, attn_context, moe_context)
+                stats.append(layer_stats)
+            else:
+                h = layer(h, rotary, attn_context)
+        counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
+        return self.norm(h), RouterStats(counts=counts, prob_sums=prob_sums, z_sums=z_sums)
+
+    def _moe_context(
+        self, h: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor | None, num_seqs: int | None
+    ) -> MoEContext:
+        if router_mask is None:
+            router_mask = torch.ones_like(seq_ids, dtype=torch.bool)
+        elif router_mask.shape != seq_ids.shape or router_mask.dtype != torch.bool:
+            raise ValueError(
+                f"router_mask must be bool of seq_ids' shape {tuple(seq_ids.shape)}, "
+                f"got {router_mask.dtype} {tuple(router_mask.shape)}"
+            )
+        if num_seqs is None:
+            if seq_ids.numel() == 0:
+                raise ValueError("an empty micro-batch needs an explicit num_seqs")
+            num_seqs = int(seq_ids.max()) + 1
+        elif isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 1:
+            raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
+        local_seq_ids, local_mask = self.shard_tokens(seq_ids), self.shard_tokens(router_mask)
+        if local_seq_ids.shape[0] != h.shape[0] or local_mask.shape[0] != h.shape[0]:
+            raise ValueError(
+                f"shard_tokens gives {local_seq_ids.shape[0]} tokens of metadata for the "
+                f"{h.shape[0]} tokens of the residual stream"
+            )
+        return MoEContext(local_seq_ids, local_mask, num_seqs)
 
     def _apply(self, fn, recurse=True):
         # Moving parameters across devices where ``.data`` cannot be swapped (``to_empty`` off
@@ -191,12 +296,21 @@ class Qwen3Model(nn.Module):
     def init_param_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill ``tensor`` (the full-shape parameter named ``fqn``) in place from ``generator``."""
         *_, module_name, param_name = fqn.split(".")
+        if module_name == "experts" and param_name in ("w1", "w2", "w3"):
+            # Stacked experts, each slice initialized like the dense SwiGLU's weight.
+            std = INIT_STD if param_name != "w2" else INIT_STD / math.sqrt(2 * self.args.n_layers)
+            nn.init.trunc_normal_(tensor, std=std, a=-3 * std, b=3 * std, generator=generator)
+            return
         if param_name != "weight":
             raise ValueError(f"no init rule for parameter {fqn!r}")
         if module_name.endswith("norm"):
             tensor.fill_(1.0)
             return
         if module_name in ("tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"):
+            std = INIT_STD
+        elif module_name == "router":
+            # As HF and torchtitan. Small logits make routing near-uniform at first, where
+            # top-k near-ties flip on float rounding: exactness tests draw their own router.
             std = INIT_STD
         elif module_name in ("wo", "w2"):
             # Residual-stream writers: keep the residual variance independent of depth.

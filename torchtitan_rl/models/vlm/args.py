@@ -64,6 +64,8 @@ class VLMModelArgs(Qwen3ModelArgs):
         text_config = hf_config_field(config, "text_config", dict, source)
         vision_config = hf_config_field(config, "vision_config", dict, source)
         text = Qwen3ModelArgs.from_hf_config(text_config, attn_backend, source=f"{source} text_config")
+        if text.is_moe:
+            raise ValueError(f"{source}: text_config is a Qwen3-MoE model; the VLM supports dense Qwen3 only")
         if hf_config_field(config, "projector_hidden_act", str, source, "gelu") != "gelu":
             raise ValueError(f"{source}: projector_hidden_act={config['projector_hidden_act']!r} is not supported (only 'gelu')")
         if hf_config_field(config, "vision_feature_layer", int, source, -1) != -1:

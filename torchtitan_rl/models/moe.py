@@ -1,0 +1,241 @@
+"""Mixture-of-experts feed-forward in the Qwen3-MoE layout, plain single-device PyTorch.
+
+A top-k softmax router picks ``top_k`` of ``num_experts`` SwiGLU experts per token; every token
+is computed (dropless, no capacity factor). Each layer also returns per-sequence router
+statistics (``RouterStats``) from which router losses are computed outside the model: they are
+returned by the forward, never kept in module buffers, so they compose with activation
+checkpointing and with any split of the tokens over micro-batches and ranks.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+EXPERTS_IMPL_CHOICES = ("auto", "grouped_mm", "loop")
+
+# Initial std of freshly built modules (the model's init_weights overrides it).
+_DEFAULT_INIT_STD = 0.02
+
+
+@dataclass
+class RouterStats:
+    """Router statistics of one micro-batch, every MoE layer stacked in layer order.
+
+    L = number of MoE layers, S = number of sequences of the micro-batch (``num_seqs``, the
+    padding pseudo-sequence included), E = number of experts. Only real tokens (router mask
+    true) enter any of them; padding is routed and computed but counted nowhere.
+
+    counts     [L, S, E] float32, no grad: top-k assignments of sequence s's tokens to expert e
+               (each token adds 1 to each of its ``top_k`` experts).
+    prob_sums  [L, S, E] float32, differentiable: sum over sequence s's tokens of the softmax
+               router probability of expert e (all experts, not only the chosen ones).
+    z_sums     [L, S] float32, differentiable: sum over sequence s's tokens of
+               logsumexp(router logits)^2 (the z-loss numerator).
+    """
+
+    counts: torch.Tensor
+    prob_sums: torch.Tensor
+    z_sums: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Linear router ``weight [E, dim]``; ``route`` turns its logits into the softmax (fp32),
+    the top-k experts and their weights, renormalized to sum to 1 with ``norm_topk_prob``
+    (Qwen3-MoE's gate).
+
+    ``forward`` is the linear alone and returns one tensor, so that tensor-parallel styles
+    (which wrap a module's single output, e.g. ``SequenceParallel``) apply to this module.
+    """
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        nn.init.trunc_normal_(self.weight, std=_DEFAULT_INIT_STD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Router logits ``[T, E]`` in x's dtype."""
+        return F.linear(x, self.weight)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs [T, E] fp32, top_weights [T, k] in the logits' dtype, top_experts [T, k]
+        int64)``; top experts in decreasing probability."""
+        # fp32 softmax even for bf16 activations: near-equal probabilities decide the top-k.
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_weights, top_experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return probs, top_weights.to(logits.dtype), top_experts
+
+
+def grouped_mm_supported(dtype: torch.dtype, *dims: int) -> bool:
+    """Whether ``torch._grouped_mm`` can run these experts: it has fp32 and bf16 kernels only,
+    and needs every row stride (a feature size times the element size) to be a multiple of
+    16 bytes, in forward and backward."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return False
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return all(dim * itemsize % 16 == 0 for dim in dims)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity on ``[N, dim]`` whose backward gives the upstream gradient row-major strides
+    ``(dim, 1)``: ``_grouped_mm``'s backward rejects any other, e.g. the zero strides of
+    ``y.sum().backward()``, and ``.contiguous()`` keeps odd strides where it may (empty or
+    single-row tensors count as contiguous whatever their strides)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        if grad.stride() == (grad.shape[1], 1):
+            return grad
+        return torch.empty(grad.shape, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts ``w2(silu(w1 x) * w3 x)`` with stacked weights
+    ``w1, w3 [E, hidden, dim]`` and ``w2 [E, dim, hidden]`` (each expert's slice is an
+    ``nn.Linear`` weight, as HF stores it per expert).
+
+    ``impl``: ``grouped_mm`` (one ``torch._grouped_mm`` per projection over the expert-sorted
+    tokens, no host sync), ``loop`` (one matmul per expert, the reference; any dtype, syncs
+    for the token counts), ``auto`` (grouped_mm where supported, see ``grouped_mm_supported``).
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, impl: str = "auto"):
+        super().__init__()
+        if impl not in EXPERTS_IMPL_CHOICES:
+            raise ValueError(f"unknown experts impl {impl!r}; valid: {', '.join(EXPERTS_IMPL_CHOICES)}")
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        for weight in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(weight, std=_DEFAULT_INIT_STD)
+
+    def resolve_impl(self, dtype: torch.dtype) -> str:
+        """The kernel a forward in ``dtype`` uses; ValueError if ``grouped_mm`` was asked for but cannot run."""
+        num_experts, hidden_dim, dim = self.w1.shape
+        supported = grouped_mm_supported(dtype, dim, hidden_dim)
+        if self.impl == "auto":
+            return "grouped_mm" if supported else "loop"
+        if self.impl == "grouped_mm" and not supported:
+            raise ValueError(
+                f"experts_impl='grouped_mm' cannot run {dtype} experts of dim {dim}, hidden {hidden_dim}: "
+                "torch._grouped_mm needs float32/bfloat16 and feature sizes of a multiple of 16 bytes "
+                "(use 'auto' or 'loop')"
+            )
+        return self.impl
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x [N, dim]``: tokens sorted by expert, ``tokens_per_expert [E]`` (int, summing to N)
+        of them per expert in order. Returns each token's expert output ``[N, dim]`` in x's dtype.
+        An expert without tokens gets a zero gradient."""
+        if x.dtype != self.w1.dtype:
+            # The kernels would fail or cast; a silent cast (e.g. to bf16) would change the numbers.
+            raise ValueError(f"expert input is {x.dtype} but the expert weights are {self.w1.dtype}")
+        if self.resolve_impl(x.dtype) == "grouped_mm":
+            return self._grouped_mm(x, tokens_per_expert)
+        return self._loop(x, tokens_per_expert)
+
+    def _grouped_mm(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate = torch._grouped_mm(x.contiguous(), self.w1.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(x.contiguous(), self.w3.transpose(-2, -1), offs=offsets)
+        hidden = F.silu(gate) * up
+        out = torch._grouped_mm(hidden, self.w2.transpose(-2, -1), offs=offsets)
+        return _DenseGrad.apply(out)
+
+    def _loop(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        # Every expert takes part, even with zero tokens, so its gradient is zero (not None).
+        for expert, tokens in enumerate(x.split(tokens_per_expert.tolist())):
+            hidden = F.silu(F.linear(tokens, self.w1[expert])) * F.linear(tokens, self.w3[expert])
+            outputs.append(F.linear(hidden, self.w2[expert]))
+        return torch.cat(outputs)
+
+
+class MoE(nn.Module):
+    """One MoE feed-forward layer: ``router`` (``TopKRouter``) and ``experts`` (``GroupedExperts``);
+    the output of a token is the router-weighted sum of its top-k experts' outputs."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        experts_impl: str = "auto",
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.router = TopKRouter(dim, num_experts, top_k, norm_topk_prob)
+        self.experts = GroupedExperts(num_experts, dim, hidden_dim, experts_impl)
+
+    def forward(
+        self, x: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor, num_seqs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, dim]``; ``seq_ids [T]`` in ``[0, num_seqs)``; ``router_mask [T]`` bool, false on
+        padding. Returns ``(out [T, dim], counts [S, E], prob_sums [S, E], z_sums [S])`` (one
+        layer's ``RouterStats`` slice). Padding tokens are routed and computed like any other
+        (their outputs only reach zero-weight losses) but never enter the statistics."""
+        num_tokens = x.shape[0]
+        if x.dim() != 2 or seq_ids.shape != (num_tokens,) or router_mask.shape != (num_tokens,):
+            raise ValueError(
+                "MoE takes x [T, dim], seq_ids [T] and router_mask [T], got "
+                f"{tuple(x.shape)}, {tuple(seq_ids.shape)}, {tuple(router_mask.shape)}"
+            )
+        if router_mask.dtype != torch.bool:
+            raise ValueError(f"router_mask must be bool, got {router_mask.dtype}")
+        logits = self.router(x)
+        probs, top_weights, top_experts = self.router.route(logits)
+
+        # Dispatch: the T*k (token, expert) pairs sorted by expert; a stable sort keeps tokens
+        # in order within an expert, so the combine adds in a fixed order.
+        flat_experts = top_experts.reshape(-1)
+        order = torch.argsort(flat_experts, stable=True)
+        token_of_pair = order // self.top_k
+        # scatter_add rather than bincount: bincount needs the maximum on the host (a sync).
+        tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts)
+        )
+        expert_out = self.experts(x[token_of_pair], tokens_per_expert)
+        expert_out = expert_out * top_weights.reshape(-1)[order, None]
+        out = torch.zeros_like(x).index_add(0, token_of_pair, expert_out)
+        return (out, *router_statistics(logits, probs, top_experts, seq_ids, router_mask, num_seqs))
+
+
+def router_statistics(
+    logits: torch.Tensor,
+    probs: torch.Tensor,
+    top_experts: torch.Tensor,
+    seq_ids: torch.Tensor,
+    router_mask: torch.Tensor,
+    num_seqs: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One layer's ``(counts [S, E], prob_sums [S, E], z_sums [S])`` (see ``RouterStats``) of
+    the real tokens (``router_mask``) per sequence."""
+    num_experts = probs.shape[-1]
+    real = router_mask[:, None]
+    # Padding may carry any sequence id; its contributions are zero, so send them to sequence 0.
+    seq = torch.where(router_mask, seq_ids, 0)
+    with torch.no_grad():
+        slots = (seq[:, None] * num_experts + top_experts).reshape(-1)
+        hits = real.expand_as(top_experts).reshape(-1).float()
+        counts = torch.zeros(num_seqs * num_experts, device=probs.device).index_add_(0, slots, hits)
+    # torch.where, not a multiply by the mask: a non-finite value on padding stays out of the
+    # sums and of their gradients.
+    prob_sums = probs.new_zeros(num_seqs, num_experts).index_add(0, seq, torch.where(real, probs, 0.0))
+    z = torch.logsumexp(logits.float(), dim=-1).square()
+    z_sums = z.new_zeros(num_seqs).index_add(0, seq, torch.where(router_mask, z, 0.0))
+    return counts.view(num_seqs, num_experts), prob_sums, z_sums
