@@ -21,8 +21,29 @@ from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks, sha
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
-from torchtitan_rl.losses.reduction import GROUPED_MODES, global_counts, token_weights
+from torchtitan_rl.losses.reduction import (
+    GROUPED_MODES,
+    NUM_MICROBATCHES,
+    NUM_SEQS,
+    NUM_TOKENS,
+    global_counts,
+    token_weights,
+)
+from torchtitan_rl.losses.router import RouterLossConfig, balance_loss, z_loss
 from torchtitan_rl.models.vlm.model import VisionInputs
+
+
+@dataclass
+class RouterMetrics:
+    """A MoE model's router statistics of one ``forward_backward`` on this rank: partial
+    losses (unweighted; their sum over every rank is the mini-batch's loss) and the top-k
+    counts of this rank's tokens per MoE layer and expert (summed over every rank at log time)."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    counts: torch.Tensor  # [L, E]
+    layer_ids: tuple[int, ...]  # the model's MoE layers, in order
+    config: RouterLossConfig
 
 
 @dataclass
@@ -33,6 +54,7 @@ class ForwardBackwardMetrics:
     max_seq_loss: torch.Tensor  # largest per-sequence mean loss among this rank's sequences (-inf: none)
     counts: torch.Tensor  # global counts, see losses.reduction
     terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
+    router: RouterMetrics | None = None  # MoE models only
 
 
 @dataclass
@@ -58,6 +80,8 @@ class EngineOptions:
     # samples must have none), and the vision-patch budget of a micro-batch (0: none).
     vision: VisionPacking | None = None
     max_patches_per_microbatch: int = 0
+    # MoE models: their router losses (None: a dense model).
+    router: RouterLossConfig | None = None
 
 
 class Engine:
@@ -135,20 +159,30 @@ class Engine:
         rank = cp_mesh.get_local_rank()
         return whole, [shard_microbatch(mb, dims.cp, rank, multiple=dims.tp) for mb in whole], num_groups
 
+    def _forward(self, mb: MicroBatch):
+        """The model's final hidden states of a device-resident micro-batch, and a MoE model's
+        router statistics (None for a dense model)."""
+        kwargs = {}
+        if mb.image_patches is not None:
+            kwargs["vision"] = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
+        if self.options.router is None:
+            return self.model(mb.input_ids, mb.positions, mb.seq_ids, **kwargs), None
+        # Padding never enters router statistics: how much of it there is depends on the layout.
+        return self.model(
+            mb.input_ids, mb.positions, mb.seq_ids, router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs, **kwargs
+        )
+
     def _token_logprobs(
         self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident micro-batch."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident
+        micro-batch, and the router statistics of a MoE model (else None)."""
         with self._autocast():
-            if mb.image_patches is None:
-                hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids)
-            else:
-                vision = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
-                hidden = self.model(mb.input_ids, mb.positions, mb.seq_ids, vision=vision)
+            hidden, router_stats = self._forward(mb)
             if self.options.temperature != 1.0:
                 # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
                 hidden = hidden / self.options.temperature
-            return token_logprobs(
+            logprobs, entropy = token_logprobs(
                 hidden,
                 self.model.output.weight,
                 mb.labels,
@@ -158,6 +192,7 @@ class Engine:
                 with_entropy=with_entropy,
                 entropy_grad=entropy_grad,
             )
+        return logprobs, entropy, router_stats
 
     def forward_backward(
         self, samples: list[Sample], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
@@ -178,21 +213,82 @@ class Engine:
         loss_total = torch.zeros((), device=self.device)
         max_seq_loss = torch.full((), -torch.inf, device=self.device)
         metrics = LossMetrics()
+        router = self.options.router
+        # The global load-balancing loss needs the counts of every micro-batch before the first
+        # backward; with one micro-batch per rank its own forward provides them.
+        needs_counting_pass = router is not None and router.needs_global_counts and len(microbatches) > 1
+        expert_counts = self._expert_counts(microbatches) if needs_counting_pass else None
+        router_metrics = None
         for i, mb in enumerate(microbatches):
             mb = mb.to(self.device)
             if isinstance(self.model, FSDPModule):
                 # Accumulate unsharded gradients locally; reduce-scatter their sum once.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            logprobs, entropy = self._token_logprobs(mb, loss.needs_entropy, loss.options["entropy_coef"] != 0)
+            logprobs, entropy, router_stats = self._token_logprobs(mb, loss.needs_entropy, loss.options["entropy_coef"] != 0)
             terms = token_terms(loss, logprobs, entropy, mb)
             weights = token_weights(mb, self.options.reduction, counts, self.options.horizon)
             value = weighted_loss(loss, terms, weights)
+            if router_stats is not None:
+                aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
+                router_metrics = self._add_router_metrics(router_metrics, router_stats, aux, z)
+                value = value + router.aux_loss_coef * aux + router.z_loss_coef * z
             value.backward()
             loss_total += value.detach()
             metrics.add(terms, weights)
             token_losses = per_token_loss(loss, terms).detach()
             max_seq_loss = torch.maximum(max_seq_loss, _max_sequence_mean_loss(mb, token_losses, cp_mesh))
-        return ForwardBackwardMetrics(loss=loss_total, max_seq_loss=max_seq_loss, counts=counts, terms=metrics)
+        return ForwardBackwardMetrics(
+            loss=loss_total, max_seq_loss=max_seq_loss, counts=counts, terms=metrics, router=router_metrics
+        )
+
+    @torch.no_grad()
+    def _expert_counts(self, microbatches: list[MicroBatch]) -> torch.Tensor:
+        """Top-k counts ``[L, E]`` of every real token of the mini-batch (every rank), from a
+        counting pass through the model body (no LM head, no autograd)."""
+        total = None
+        for mb in microbatches:
+            with self._autocast():
+                _, stats = self._forward(mb.to(self.device))
+            counts = stats.counts.sum(1)
+            total = counts if total is None else total + counts
+        return all_reduce(total, "sum", self.parallel_dims.mesh("world"))
+
+    def _router_losses(self, stats, mb: MicroBatch, counts: torch.Tensor, expert_counts: torch.Tensor | None):
+        """This rank's partial load-balancing and z losses of one micro-batch (losses.router):
+        each group's counts complete (all-reduced, no gradient), the probability sums its own."""
+        config = self.options.router
+        num_tokens = counts[NUM_TOKENS].float()
+        aux = torch.zeros((), device=self.device)
+        if config.aux_loss_coef > 0:
+            one = torch.ones(1, device=self.device)
+            if config.aux_loss_scope == "global":
+                if expert_counts is None:
+                    expert_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("world"))
+                aux = balance_loss(expert_counts[None], stats.prob_sums.sum(1)[None], num_tokens[None], one,
+                                   config.aux_loss_layers)
+            elif config.aux_loss_scope == "sequence":
+                # A sequence's tokens are spread over its CP / TP peers only.
+                seq_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp")).transpose(0, 1)
+                seq_tokens = torch.zeros(mb.num_seqs, device=self.device)
+                seq_tokens[: len(mb.seq_lens)] = torch.tensor(mb.seq_lens, dtype=torch.float32)
+                weights = torch.ones(mb.num_seqs, device=self.device) / counts[NUM_SEQS].clamp(min=1)
+                aux = balance_loss(seq_counts, stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers)
+            else:
+                mb_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("cp_tp"))
+                mb_tokens = torch.tensor([float(sum(mb.seq_lens))], device=self.device)
+                aux = balance_loss(mb_counts[None], stats.prob_sums.sum(1)[None], mb_tokens,
+                                   one / counts[NUM_MICROBATCHES].clamp(min=1), config.aux_loss_layers)
+        z = z_loss(stats.z_sums, num_tokens) if config.z_loss_coef > 0 else torch.zeros((), device=self.device)
+        return aux, z
+
+    def _add_router_metrics(self, metrics: "RouterMetrics | None", stats, aux: torch.Tensor, z: torch.Tensor) -> RouterMetrics:
+        counts = stats.counts.sum(1)
+        if metrics is None:
+            return RouterMetrics(aux.detach(), z.detach(), counts, tuple(self.model.args.moe_layers), self.options.router)
+        metrics.aux_loss = metrics.aux_loss + aux.detach()
+        metrics.z_loss = metrics.z_loss + z.detach()
+        metrics.counts = metrics.counts + counts
+        return metrics
 
     @torch.no_grad()
     def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
@@ -201,7 +297,8 @@ class Engine:
         entropies: list[torch.Tensor] = []
         cp_mesh = self.parallel_dims.mesh("cp")
         for mb in self._microbatches(samples)[1]:
-            per_token = torch.stack([v for v in self._token_logprobs(mb.to(self.device), with_entropy) if v is not None], 1)
+            mb_logprobs, mb_entropy, _ = self._token_logprobs(mb.to(self.device), with_entropy)
+            per_token = torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1)
             if mb.is_padding:
                 continue
             if cp_mesh is not None:

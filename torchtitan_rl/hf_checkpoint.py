@@ -65,15 +65,14 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     """
     files, listing = _tensor_files(path)
     _reshard(model)
-    # named_parameters lists a tied head once, as the embedding: HF's tied checkpoints do the same.
-    to_hf = spec_for_args(model.args).to_hf
-    params = to_hf(dict(model.named_parameters()))
+    params = _hf_sources(model)
     # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
+    to_hf = spec_for_args(model.args).to_hf
     tied_head = next(iter(to_hf({"output.weight": None}))) if model.args.tie_embeddings else None
     _check_same_keys(params.keys(), files.keys(), tied_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)
-        for key, param in params.items():
+        for key, (param, index) in params.items():
             file = files[key]
             if file not in handles:
                 handle = stack.enter_context(_open_safetensors(file))
@@ -81,7 +80,7 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
             handle, keys_in_file = handles[file]
             if key not in keys_in_file:
                 raise ValueError(f"the checkpoint index places tensor {key!r} in {file!r}, which does not contain it")
-            _load_block(param, handle, key, file)
+            _load_block(param, handle, key, file, index)
 
 
 @torch.no_grad()
@@ -109,9 +108,9 @@ def save_hf_checkpoint(
         dist.barrier()
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     _reshard(model)
-    # Tied head omitted, as transformers saves it.
-    tensors = spec_for_args(model.args).to_hf(dict(model.named_parameters()))
-    shards = _plan_shards({key: t.numel() * dtype.itemsize for key, t in tensors.items()}, max_shard_bytes)
+    tensors = _hf_sources(model)
+    sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
+    shards = _plan_shards(sizes, max_shard_bytes)
     staging = _make_staging_dir(path) if is_writer else None
     try:
         for file_name, keys in shards.items():
@@ -119,7 +118,7 @@ def save_hf_checkpoint(
             if staging is not None:
                 save_file(gathered, os.path.join(staging, file_name), metadata={"format": "pt"})
         if staging is not None:
-            _write_metadata(staging, model.args, dtype, tensors, shards, tokenizer_dir)
+            _write_metadata(staging, model.args, dtype, sum(sizes.values()), shards, tokenizer_dir)
             os.rename(staging, path)
     except BaseException:
         if staging is not None:
@@ -127,6 +126,31 @@ def save_hf_checkpoint(
         raise
     if dist.is_initialized():
         dist.barrier()  # callers on any rank may read the export once this returns
+
+
+def _hf_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """HF key -> (our parameter, the index along its dim 0 the key is, or None for all of it).
+
+    Most parameters are one HF tensor each; stacked MoE experts are one HF tensor per expert,
+    which loading and export address by index so a sharded stack is never gathered whole
+    just to be split. ``named_parameters`` lists a tied head once, as the embedding: HF's tied
+    checkpoints (and transformers' saves) do the same.
+    """
+    spec = spec_for_args(model.args)
+    sources, plain = {}, {}
+    for fqn, param in model.named_parameters():
+        stacked = spec.stacked_hf_keys(fqn, param.shape[0])
+        if stacked is None:
+            plain[fqn] = param
+        else:
+            sources.update({key: (param, index) for index, key in enumerate(stacked)})
+    sources.update({key: (param, None) for key, param in spec.to_hf(plain).items()})
+    return sources
+
+
+def _numel(param: torch.Tensor, index: int | None) -> int:
+    """Elements of the HF tensor: the parameter's, or one slice's (a DTensor's numel is global)."""
+    return param.numel() if index is None else param.numel() // param.shape[0]
 
 
 def _reshard(model: nn.Module) -> None:
@@ -199,19 +223,26 @@ def _names(keys: list[str], limit: int = 3) -> str:
     return shown if len(keys) <= limit else f"{shown} (and {len(keys) - limit} more)"
 
 
-def _load_block(param: torch.Tensor, handle, key: str, file: str) -> None:
-    """Copy this rank's block of tensor ``key`` from the open ``file`` into ``param``."""
+def _load_block(param: torch.Tensor, handle, key: str, file: str, index: int | None = None) -> None:
+    """Copy this rank's block of tensor ``key`` from the open ``file`` into ``param`` (or, with
+    ``index``, into its slice ``param[index]``)."""
     tensor_slice = handle.get_slice(key)
     file_shape = tuple(tensor_slice.get_shape())
-    if file_shape != tuple(param.shape):
-        raise ValueError(f"{file!r}: tensor {key!r} has shape {file_shape}, the model expects {tuple(param.shape)}")
+    expected = tuple(param.shape) if index is None else tuple(param.shape[1:])
+    if file_shape != expected:
+        raise ValueError(f"{file!r}: tensor {key!r} has shape {file_shape}, the model expects {expected}")
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.is_meta:
         raise ValueError(f"cannot load {key!r} into a model on the meta device: materialize it (to_empty) first")
     shape, offset = local_shard_bounds(param)
     assert tuple(local.shape) == shape, (key, tuple(local.shape), shape)
-    if local.numel() > 0:  # uneven FSDP shards can leave a rank nothing of a small tensor
-        local.copy_(tensor_slice[tuple(slice(start, start + size) for start, size in zip(offset, shape))])
+    if local.numel() == 0:  # uneven FSDP shards can leave a rank nothing of a small tensor
+        return
+    block = tuple(slice(start, start + size) for start, size in zip(offset, shape))
+    if index is None:
+        local.copy_(tensor_slice[block])
+    elif offset[0] <= index < offset[0] + shape[0]:  # this rank holds that slice
+        local[index - offset[0]].copy_(tensor_slice[block[1:]])
 
 
 # ---------------------------------------------------------------- saving
@@ -249,31 +280,34 @@ def _make_staging_dir(path: str) -> str:
     return staging
 
 
-def _gather(tensors: dict[str, torch.Tensor], keys: list[str], dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
-    """The full tensors ``keys`` as ``dtype`` on the CPU if ``keep``, else {}.
+def _gather(
+    tensors: dict[str, tuple[torch.Tensor, int | None]], keys: list[str], dtype: torch.dtype, keep: bool
+) -> dict[str, torch.Tensor]:
+    """The full tensors ``keys`` (see ``_hf_sources``) as ``dtype`` on the CPU if ``keep``, else {}.
 
-    Collective: every rank takes part in each DTensor's all-gather; ranks that do not write
-    drop each full tensor at once instead of copying it to the host.
+    Collective: every rank takes part in each DTensor's all-gather (a stacked parameter's once
+    per file); ranks that do not write drop each full tensor at once instead of copying it.
     """
-    gathered = {}
+    gathered, stacks = {}, {}
     for key in keys:
-        full = tensors[key].full_tensor() if isinstance(tensors[key], DTensor) else tensors[key]
+        param, index = tensors[key]
+        if index is None or id(param) not in stacks:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if index is not None:
+                stacks[id(param)] = full
+        else:
+            full = stacks[id(param)]
         if keep:
-            gathered[key] = full.detach().to(dtype).cpu().contiguous()
+            gathered[key] = (full if index is None else full[index]).detach().to(dtype).cpu().contiguous()
     return gathered
 
 
 def _write_metadata(
-    staging: str,
-    args,
-    dtype: torch.dtype,
-    tensors: dict[str, torch.Tensor],
-    shards: dict[str, list[str]],
-    tokenizer_dir: str | None,
+    staging: str, args, dtype: torch.dtype, total_bytes: int, shards: dict[str, list[str]], tokenizer_dir: str | None
 ) -> None:
     if len(shards) > 1:
         index = {
-            "metadata": {"total_size": sum(t.numel() * dtype.itemsize for t in tensors.values())},
+            "metadata": {"total_size": total_bytes},
             "weight_map": {key: file_name for file_name, keys in shards.items() for key in keys},
         }
         _write_json(os.path.join(staging, INDEX_FILE), index)

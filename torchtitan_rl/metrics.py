@@ -8,7 +8,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce
-from torchtitan_rl.engine import ForwardBackwardMetrics
+from torchtitan_rl.engine import ForwardBackwardMetrics, RouterMetrics
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,48 @@ class MetricsLogger:
     ) -> dict[str, float]:
         """Reduce one update's results and write the step's line and scalars."""
         values = self.reduce_update(fb, optim)
+        if fb.router is not None:
+            router_values, counts = self.reduce_router(fb.router)
+            values.update(router_values)
+            self.write_expert_histograms(step, fb.router.layer_ids, counts)
         return self.emit(step, values, window_tokens, window_squared_lens, window_seconds, data_stats)
+
+    def reduce_router(self, router: RouterMetrics) -> tuple[dict[str, float], torch.Tensor]:
+        """A MoE step's router values (collective over every rank: each holds other tokens, TP
+        ranks included) and the step's top-k counts ``[L, E]`` of the whole mini-batch.
+
+        ``moe/aux_loss`` and ``moe/z_loss`` (unweighted) when their coefficient is on;
+        ``moe/load_imbalance/layer_{i}``: the busiest expert's count over the mean count."""
+        losses = torch.stack([router.aux_loss, router.z_loss])
+        losses, counts = (all_reduce(t, "sum", self.parallel_dims.mesh("world")) for t in (losses, router.counts))
+        values = {}
+        if router.config.aux_loss_coef > 0:
+            values["moe/aux_loss"] = float(losses[0])
+        if router.config.z_loss_coef > 0:
+            values["moe/z_loss"] = float(losses[1])
+        imbalance = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)
+        for layer, value in zip(router.layer_ids, imbalance.tolist()):
+            values[f"moe/load_imbalance/layer_{layer}"] = value
+        return values, counts
+
+    def write_expert_histograms(self, step: int, layer_ids: tuple[int, ...], counts: torch.Tensor) -> None:
+        """TensorBoard histograms of the tokens each expert received, per MoE layer (rank 0)."""
+        if self.writer is None:
+            return
+        for layer, layer_counts in zip(layer_ids, counts.double().cpu()):
+            # One bucket per expert index holding its count: the histogram of expert choices.
+            experts = torch.arange(layer_counts.numel(), dtype=torch.float64)
+            self.writer.add_histogram_raw(
+                f"moe/tokens_per_expert/layer_{layer}",
+                min=0.0,
+                max=float(layer_counts.numel() - 1),
+                num=float(layer_counts.sum()),
+                sum=float((experts * layer_counts).sum()),
+                sum_squares=float((experts**2 * layer_counts).sum()),
+                bucket_limits=(experts + 0.5).tolist(),
+                bucket_counts=layer_counts.tolist(),
+                global_step=step,
+            )
 
     def reduce_update(self, fb: ForwardBackwardMetrics, optim: dict, with_terms: bool = True) -> dict[str, float]:
         """The global values of one ``forward_backward`` + ``optim_step`` (collective; syncs the
@@ -116,6 +157,7 @@ class MetricsLogger:
 
         if self.rank == 0:
             rl = "".join(f"  {name}: {values['rl/' + name]:.4g}" for name in _STDOUT_RL if "rl/" + name in values)
+            rl += "".join(f"  {tag[4:]}: {values[tag]:.4g}" for tag in ("moe/aux_loss", "moe/z_loss") if tag in values)
             logger.info(
                 "step: %d  loss: %.5f  max_loss: %.4f  grad_norm: %.4f  lr: %.3e  tps: %.0f  memory: %.2fGiB%s%s",
                 step,

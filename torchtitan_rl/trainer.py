@@ -27,6 +27,7 @@ from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.losses.loss_fns import LossFn, loss_fn_from_config
 from torchtitan_rl.losses.reduction import GROUPED_MODES, NUM_TOKENS, SUM_SQUARED_SEQ_LENS
+from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
 from torchtitan_rl.models.qwen3.args import check_flavor
@@ -64,6 +65,8 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
     spec = get_model_spec(job_config.model.name)
     backend = resolve_attn_backend(job_config.model.attn_backend, device)
     args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
+    if args.is_moe:
+        args = dataclasses.replace(args, experts_impl=job_config.moe.experts_impl)
     if spec.takes_images:
         m = job_config.model
         image_id = image_token_ids(tokenizer, m.image_token, m.image_break_token, m.image_end_token).image
@@ -133,6 +136,7 @@ def build_engine(
         temperature=temperature,
         vision=vision_packing(model_args),
         max_patches_per_microbatch=t.max_patches_per_microbatch,
+        router=router_loss_config(job_config) if model_args.is_moe else None,
     )
     return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
 
@@ -142,6 +146,16 @@ def vision_packing(model_args) -> VisionPacking | None:
     if not spec_for_args(model_args).takes_images:
         return None
     return VisionPacking(patch_dim=model_args.vision.patch_dim, merge_size=model_args.spatial_merge_size)
+
+
+def router_loss_config(job_config: JobConfig) -> RouterLossConfig:
+    m = job_config.moe
+    if m.aux_loss_coef > 0 and m.aux_loss_scope == "microbatch":
+        logger.warning(
+            "moe.aux_loss_scope = 'microbatch' balances each micro-batch on its own: the loss and gradient depend "
+            "on how the mini-batch is split over micro-batches and ranks (use 'global' or 'sequence' for exact ones)"
+        )
+    return RouterLossConfig(m.aux_loss_coef, m.aux_loss_scope, m.aux_loss_layers, m.z_loss_coef)
 
 
 def vision_data_config(job_config: JobConfig, model_args) -> VisionDataConfig | None:

@@ -33,6 +33,10 @@ CASES = {
     "divisible_cp2_tp2": ("divisible", (1, 1, 2, 2)),
     "odd_dp4": ("odd", (1, 4, 1, 1)),
     "odd_dp2_tp2": ("odd", (1, 2, 1, 2)),
+    "moe_dp4": ("moe", (1, 4, 1, 1)),
+    "moe_dp2_tp2": ("moe", (1, 2, 1, 2)),
+    "moe_hsdp2x2": ("moe", (2, 2, 1, 1)),
+    "moe_cp2_tp2": ("moe", (1, 1, 2, 2)),
 }
 
 
@@ -53,7 +57,7 @@ def main(checkpoints: str, out: str) -> None:
         model = build_model(read_hf_model_args(path), dims, device, seed=0, param_dtype=torch.float32)
         gather_root(model)
         load_hf_weights(model, path)
-        loaded[case] = {key: full(p) for key, p in to_hf(dict(model.named_parameters())).items()}
+        loaded[case] = to_hf({fqn: full(p) for fqn, p in model.named_parameters()})
         gather_root(model)
         save_hf_checkpoint(model, os.path.join(out, case), torch.float32, max_shard_bytes=EXPORT_SHARD_BYTES)
     if rank == 0:

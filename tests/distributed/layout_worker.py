@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 from generator_cases import run_generator_checks
 from rl_cases import run_rollout_exchange_checks
+from moe_cases import run_moe_checks
 from vlm_cases import run_vlm_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
@@ -190,6 +191,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_generator_checks(dims, results)  # on generator_cases.GENERATOR_LAYOUTS only
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
+        run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
     return results
 
 

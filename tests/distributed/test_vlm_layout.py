@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import layout_cases as lc
 import vlm_cases as vc
 from reference import minibatch_loss
+from test_layout_invariance import assert_rel_close, grad_norm
 from torchtitan_rl.models.vlm.model import VisionInputs, VLMModel
 
 RTOL = 1e-5
@@ -47,16 +48,6 @@ def reference(mode: str):
     loss.backward()
     grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
     return float(loss.detach()), grads, int(sum(m.sum() for _, m in seqs))
-
-
-def grad_norm(grads: dict) -> float:
-    return float(torch.stack([g.norm() for g in grads.values()]).norm())
-
-
-def assert_rel_close(actual, expected, what):
-    err, scale = (actual - expected).norm(), expected.norm()
-    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
-    assert err <= RTOL * scale + 1e-9, f"{what}: relative error {float(err / scale.clamp(min=1e-30)):.3e}"
 
 
 def vlm_entries(results):

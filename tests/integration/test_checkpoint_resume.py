@@ -104,3 +104,19 @@ def test_save_killed_midway_is_ignored_and_previous_checkpoint_loads(uninterrupt
     full, resumed = read_scalars(str(uninterrupted / "tb")), read_scalars(str(dump / "tb"))
     for tag in EXACT_TAGS:
         assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag
+
+
+MOE_ARGS = ["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "0.01", "--moe.z_loss_coef", "0.001",
+            "--parallelism.tensor_parallel_degree", "2"]
+
+
+def test_moe_resume_on_same_layout_is_bit_identical(tmp_path):
+    """Stacked experts (FSDP-sharded over the expert mesh, beside TP-sharded dense weights: two
+    meshes, two optimizer parameter groups) and the router losses resume exactly."""
+    uninterrupted_moe = tmp_path / "moe"
+    check(run(uninterrupted_moe, 2, *MOE_ARGS))
+    dump = stopped_after_step_3(uninterrupted_moe, tmp_path / "moe_resumed")
+    assert "resuming after step 3" in check(run(dump, 2, *MOE_ARGS))
+    full, resumed = read_scalars(str(uninterrupted_moe / "tb")), read_scalars(str(dump / "tb"))
+    for tag in (*EXACT_TAGS, "moe/aux_loss", "moe/z_loss", "moe/load_imbalance/layer_1"):
+        assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag

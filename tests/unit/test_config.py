@@ -361,6 +361,26 @@ def test_vision_settings_fail_closed(argv, fragments):
     assert_error(argv, *fragments)
 
 
+def test_moe_settings():
+    cfg = parse("--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "0.01", "--moe.aux_loss_scope", "sequence",
+                "--moe.z_loss_coef", "1e-3", "--moe.experts_impl", "loop")
+    assert (cfg.moe.aux_loss_coef, cfg.moe.aux_loss_scope, cfg.moe.experts_impl) == (0.01, "sequence", "loop")
+    for flavor in ("30B-A3B", "235B-A22B"):
+        assert parse("--model.flavor", flavor).model.flavor == flavor
+
+
+@pytest.mark.parametrize("argv, fragments", [
+    (["--moe.aux_loss_coef", "0.01"], ["moe.aux_loss_coef", "model.flavor='debugmodel' has no experts"]),
+    (["--model.flavor", "8B", "--moe.z_loss_coef", "0.001"], ["moe.z_loss_coef", "has no experts"]),
+    (["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"],
+     ["parallelism.expert_parallel_degree", "not supported yet"]),
+    (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_scope", "batch"], ["moe.aux_loss_scope", "'global'"]),
+    (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "-1"], ["moe.aux_loss_coef"]),
+])
+def test_moe_settings_fail_closed(argv, fragments):
+    assert_error(argv, *fragments)
+
+
 # --- structural errors -------------------------------------------------------------------
 
 

@@ -18,7 +18,9 @@ from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.losses.reduction import (
     GROUP_LOSS_TOKENS,
     NUM_LOSS_TOKENS,
+    NUM_MICROBATCHES,
     NUM_MICROBATCHES_WITH_LOSS,
+    NUM_SEQS,
     NUM_SEQS_WITH_LOSS,
     NUM_TOKENS,
     REDUCTION_MODES,
@@ -337,12 +339,14 @@ def test_local_counts_brute_force():
         mbs = [padding_microbatch()] + mbs + [padding_microbatch(), padding_microbatch()]
         n = [sum(loss_flags(raw, i)) for i in range(len(raw))]
         lens = [len(raw[i][0]) - 1 for i in range(len(raw))]
-        expected = [0] * 5
+        expected = [0] * GROUP_LOSS_TOKENS
         expected[NUM_LOSS_TOKENS] = sum(n)
         expected[NUM_SEQS_WITH_LOSS] = sum(1 for x in n if x > 0)
         expected[NUM_MICROBATCHES_WITH_LOSS] = sum(1 for g in groups if sum(n[i] for i in g) > 0)
         expected[NUM_TOKENS] = sum(lens)
         expected[SUM_SQUARED_SEQ_LENS] = sum(x * x for x in lens)
+        expected[NUM_SEQS] = len(raw)
+        expected[NUM_MICROBATCHES] = len(groups)
         counts = local_counts(mbs)
         assert counts.dtype == torch.int64
         assert counts.tolist() == expected
@@ -351,8 +355,8 @@ def test_local_counts_brute_force():
 
 
 def test_local_counts_of_padding_only_is_zero():
-    assert local_counts([padding_microbatch(), padding_microbatch()]).tolist() == [0] * 5
-    assert local_counts([]).tolist() == [0] * 5
+    assert local_counts([padding_microbatch(), padding_microbatch()]).tolist() == [0] * GROUP_LOSS_TOKENS
+    assert local_counts([]).tolist() == [0] * GROUP_LOSS_TOKENS
 
 
 # ---------------------------------------------------------------- prompt_mean

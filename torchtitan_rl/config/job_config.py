@@ -189,6 +189,10 @@ class Parallelism:
     context_parallel_degree: int = bounded(1, ge=1)
     """Context-parallel degree (each sequence split over this many ranks)."""
 
+    expert_parallel_degree: int = bounded(1, ge=1)
+    """Expert parallel (MoE experts split over ranks). Not supported yet: experts are
+    FSDP-sharded over dp_shard x cp x tp; only 1 is accepted."""
+
 
 @dataclass
 class Loss:
@@ -244,6 +248,36 @@ class Loss:
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus: the loss gets -entropy_coef * H_t per token
     (weighted like the policy term). Negative values penalize entropy."""
+
+
+@dataclass
+class MoE:
+    """Mixture-of-experts flavors (e.g. model.flavor = "debugmodel_moe", "30B-A3B"): router
+    losses, exact for any parallel layout (docs/loss_reduction.md), and the expert kernel. The
+    objective is the token loss + aux_loss_coef * moe/aux_loss + z_loss_coef * moe/z_loss."""
+
+    aux_loss_coef: float = bounded(0.0, ge=0)
+    """Coefficient of the load-balancing loss E * sum_e f_e * P_e (f: share of top-k
+    assignments, P: mean router probability of expert e); 0 disables it."""
+
+    aux_loss_scope: Literal["global", "sequence", "microbatch"] = "global"
+    """Which tokens one load-balancing loss covers. global: the whole mini-batch (HF's / Qwen's
+    global-batch balance; with several micro-batches per rank a no-grad counting pass routes
+    them all first). sequence: each sequence, averaged over sequences. microbatch: each
+    micro-batch, averaged over micro-batches; depends on the parallel layout on purpose
+    (like loss.reduction = token_mean_legacy)."""
+
+    aux_loss_layers: Literal["pooled", "sum"] = "pooled"
+    """pooled: one loss over the statistics of all MoE layers (HF). sum: one loss per layer,
+    summed (Megatron)."""
+
+    z_loss_coef: float = bounded(0.0, ge=0)
+    """Coefficient of the router z-loss, the mean over real tokens of the sum over MoE layers of
+    logsumexp(router logits)^2; 0 disables it."""
+
+    experts_impl: Literal["auto", "grouped_mm", "loop"] = "auto"
+    """Expert kernel: grouped_mm (torch._grouped_mm, fp32/bf16), loop (one matmul per expert;
+    any dtype), auto (grouped_mm where it supports the dtype)."""
 
 
 @dataclass
@@ -470,6 +504,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     loss: Loss = field(default_factory=Loss)
+    moe: MoE = field(default_factory=MoE)
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)
     metrics: Metrics = field(default_factory=Metrics)

@@ -22,7 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.config.job_config import RL, Checkpoint, Generation, JobConfig, Training
+from torchtitan_rl.config.job_config import RL, Checkpoint, Generation, JobConfig, MoE, Training
 
 _CONFIG_FILE_KEY = "job.config_file"
 _TRUE = ("true", "1", "yes")
@@ -209,6 +209,21 @@ def _check_job_config(cfg: JobConfig) -> None:
             f"{cfg.model.name!r}; choose one of {', '.join(map(repr, spec.flavors))}"
         )
     _check_vision(cfg, spec.takes_images, getattr(spec.flavors[cfg.model.flavor], "spatial_merge_size", 1))
+    _check_moe(cfg, getattr(spec.flavors[cfg.model.flavor], "is_moe", False))
+
+
+def _check_moe(cfg: JobConfig, is_moe: bool) -> None:
+    if cfg.parallelism.expert_parallel_degree != 1:
+        raise ValueError(
+            "parallelism.expert_parallel_degree: expert parallel is not supported yet (experts are FSDP-sharded "
+            "over dp_shard x cp x tp); set it to 1"
+        )
+    unused = _non_default(cfg.moe, MoE())
+    if unused and not is_moe:
+        raise ValueError(
+            f"moe.{unused[0]}: model.flavor={cfg.model.flavor!r} has no experts (a dense model); choose a MoE flavor "
+            "such as 'debugmodel_moe' or remove the key"
+        )
 
 
 # Keys that only a model with a vision tower reads.

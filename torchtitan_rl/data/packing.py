@@ -82,6 +82,14 @@ class MicroBatch:
         """Distinct ``seq_ids`` in the buffer, the padding pseudo-sequence included."""
         return len(self.seq_lens) + (1 if self.num_padding_tokens else 0)
 
+    def real_token_mask(self) -> torch.Tensor:
+        """True for the tokens of real sequences, False for padding of any kind: the filler
+        pseudo-sequence (filler micro-batches, sequence-parallel padding) and, on a CP share,
+        the zigzag padding, whose positions continue past its sequence's end."""
+        num_real = len(self.seq_lens)
+        lens = torch.tensor([*self.seq_lens, 0], device=self.positions.device)
+        return (self.seq_ids < num_real) & (self.positions < lens[self.seq_ids.clamp(max=num_real)])
+
     def token_fields(self) -> dict[str, torch.Tensor]:
         """Every per-token tensor the data defines (``TOKEN_FIELDS`` that are set).
 

@@ -7,20 +7,23 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def apply_fsdp(
-    model: nn.Module,
+    model: nn.Module | None,
     blocks: list[nn.Module],
     mesh: DeviceMesh,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
 ) -> None:
-    """Shard each block and the root over ``mesh`` (2-D mesh = HSDP), then make every group SUM."""
+    """Shard each block and the root ``model`` (None: blocks only) over ``mesh`` (2-D mesh =
+    HSDP), then make every group SUM."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
-    # The root keeps its parameters (embeddings, final norm, output head) gathered after
-    # forward: the loss applies the output head outside model.forward, in chunks.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
-    enable_sum_reduction(model)
+    if model is not None:
+        # The root keeps its parameters (embeddings, final norm, output head) gathered after
+        # forward: the loss applies the output head outside model.forward, in chunks.
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    for module in [model] if model is not None else blocks:
+        enable_sum_reduction(module)
 
 
 def enable_sum_reduction(model: nn.Module) -> None:

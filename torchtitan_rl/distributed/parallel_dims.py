@@ -15,6 +15,11 @@ _FLATTENED = {
     "loss": ("dp_replicate", "dp_shard", "cp"),
     # The ranks of one DP replica: they hold the same samples (RL rollouts are shared among them).
     "cp_tp": ("cp", "tp"),
+    # MoE experts are FSDP-sharded over every rank of a replica; expert parallel will be carved
+    # out of this mesh.
+    "expert": ("dp_shard", "cp", "tp"),
+    # Sums of per-token quantities whose tokens are spread over every rank (router counts).
+    "world": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
 
@@ -97,6 +102,10 @@ class ParallelDims:
                 meshes["hsdp"] = world["dp_replicate", "fsdp"]
             else:
                 meshes["hsdp"] = world[("dp_replicate", shard_dims[0])]
+            # The expert mesh's dim in the world mesh: flattened, a single dim, or the kept size-1 dp_shard.
+            expert_dims = tuple(d for d in _FLATTENED["expert"] if sizes[d] > 1)
+            expert_dim = "expert" if len(expert_dims) > 1 else (expert_dims or ("dp_shard",))[0]
+            meshes["expert_hsdp"] = world[("dp_replicate", expert_dim)]
         self._meshes = meshes
 
     def mesh(self, name: str) -> DeviceMesh | None:
@@ -109,6 +118,13 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return self.mesh("hsdp")
         return self.mesh("fsdp")
+
+    def expert_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards MoE experts over: every rank of a replica (dp_shard x cp x tp),
+        2-D with dp_replicate for HSDP."""
+        if self.dp_replicate > 1:
+            return self.mesh("expert_hsdp")
+        return self.mesh("expert")
 
     def batch_rank(self) -> int:
         """This rank's index among the ranks that load different samples."""

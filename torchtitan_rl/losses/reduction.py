@@ -19,9 +19,12 @@ REDUCTION_MODES = (
 GROUPED_MODES = ("prompt_mean",)
 
 # Layout of the count vector gathered in the step's single all-reduce; with prompt groups,
-# the loss tokens of group g follow at GROUP_LOSS_TOKENS + g.
-NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_MICROBATCHES_WITH_LOSS, NUM_TOKENS, SUM_SQUARED_SEQ_LENS = range(5)
-GROUP_LOSS_TOKENS = 5
+# the loss tokens of group g follow at GROUP_LOSS_TOKENS + g. NUM_TOKENS counts real tokens
+# (padding never), NUM_SEQS and NUM_MICROBATCHES all sequences and non-filler micro-batches
+# (the router losses' sequence and micro-batch scopes average over them).
+(NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_MICROBATCHES_WITH_LOSS, NUM_TOKENS, SUM_SQUARED_SEQ_LENS, NUM_SEQS,
+ NUM_MICROBATCHES) = range(7)
+GROUP_LOSS_TOKENS = 7
 
 
 def local_counts(microbatches: list[MicroBatch], num_groups: int = 0) -> torch.Tensor:
@@ -41,6 +44,8 @@ def local_counts(microbatches: list[MicroBatch], num_groups: int = 0) -> torch.T
         counts[NUM_MICROBATCHES_WITH_LOSS] += int(num_loss > 0)
         counts[NUM_TOKENS] += mb.num_tokens - mb.num_padding_tokens
         counts[SUM_SQUARED_SEQ_LENS] += sum(n * n for n in mb.seq_lens)
+        counts[NUM_SEQS] += len(mb.seq_lens)
+        counts[NUM_MICROBATCHES] += 1
         if num_groups:
             counts[GROUP_LOSS_TOKENS:].index_add_(0, mb.group_ids, mb.loss_mask.long())
     return counts

@@ -29,18 +29,22 @@ class ModelSpec:
     # Our state-dict keys -> Hugging Face's, and back (from_hf(hf_state_dict, args)).
     to_hf: Callable[[dict], dict]
     from_hf: Callable[[dict, Any], dict]
-    hf_model_type: str  # the ``model_type`` of the family's HF config.json
+    hf_model_types: tuple[str, ...]  # the ``model_type``s of the family's HF config.json
+    # (our key, size of dim 0) -> the HF keys of its dim-0 slices when HF stores a stacked
+    # parameter (MoE experts) as one tensor per slice, else None.
+    stacked_hf_keys: Callable[[str, int], list[str] | None] = lambda key, size: None
     takes_images: bool = False
 
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen3": ModelSpec(
         "qwen3", Qwen3ModelArgs, qwen3_flavors, Qwen3Model, parallelize_qwen3,
-        qwen3_adapter.to_hf, qwen3_adapter.from_hf, "qwen3",
+        qwen3_adapter.to_hf, qwen3_adapter.from_hf, ("qwen3", "qwen3_moe"),
+        stacked_hf_keys=lambda key, size: qwen3_adapter.expert_hf_keys(key, size) if qwen3_adapter.is_expert_key(key) else None,
     ),
     "vlm": ModelSpec(
         "vlm", VLMModelArgs, vlm_flavors, VLMModel, parallelize_vlm,
-        vlm_adapter.to_hf, vlm_adapter.from_hf, "mistral3", takes_images=True,
+        vlm_adapter.to_hf, vlm_adapter.from_hf, ("mistral3",), takes_images=True,
     ),
 }
 
@@ -60,7 +64,7 @@ def spec_for_hf_config(config: dict, source: str) -> ModelSpec:
     """The family that reads an HF ``config.json`` of this ``model_type``."""
     model_type = config.get("model_type")
     for spec in MODEL_SPECS.values():
-        if spec.hf_model_type == model_type:
+        if model_type in spec.hf_model_types:
             return spec
-    known = ", ".join(repr(spec.hf_model_type) for spec in MODEL_SPECS.values())
+    known = ", ".join(repr(t) for spec in MODEL_SPECS.values() for t in spec.hf_model_types)
     raise ValueError(f"{source}: model_type is {model_type!r}; supported: {known}")

@@ -293,6 +293,8 @@ class TorchGenerator:
         self.model.attention_context_builder = context_builder
         try:
             hidden = self.model(tokens, positions, seq_ids)
+            if self.args.is_moe:
+                hidden = hidden[0]  # a MoE model also returns its router statistics
         finally:
             # Left as built, so that calling the replica directly runs plain packed attention.
             self.model.attention_context_builder = build_attention_context

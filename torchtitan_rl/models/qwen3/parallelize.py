@@ -37,6 +37,12 @@ def parallelize_qwen3(
     cp_mesh = parallel_dims.mesh("cp")
     if cp_mesh is not None:
         model.attention_context_builder = cp_attention_context_builder(cp_mesh)
+    expert_mesh = parallel_dims.expert_mesh()
+    experts = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+    if expert_mesh is not None and experts:
+        # Experts get their own FSDP groups over every rank of a replica (TP ranks included:
+        # experts are not tensor-parallel), before their blocks take the remaining parameters.
+        apply_fsdp(None, experts, expert_mesh, param_dtype, reduce_dtype)
     mesh = parallel_dims.fsdp_mesh()
     if mesh is not None:
         apply_fsdp(model, [*extra_fsdp_units, *model.layers.values()], mesh, param_dtype, reduce_dtype)
@@ -80,7 +86,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # Both layers shard the [vocab, dim] weight over the vocabulary (Shard(0)), so the
         # tied weight can stay one parameter: parallelize_module replaced each separately.
         model.output.weight = model.tok_embeddings.weight
+    # Per-token metadata of the residual stream (MoE routing) follows its token shard.
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    model.shard_tokens = lambda values: values.chunk(tp)[rank]
     for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _moe_plan() if hasattr(block, "moe") else _dense_mlp_plan())
         parallelize_module(
             block,
             tp_mesh,
@@ -99,13 +109,25 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
                 "attention.wo": RowwiseParallel(output_layouts=token_shards),
                 "ffn_norm": SequenceParallel(sequence_dim=0, use_local_output=True),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(token_shards,),
-                    desired_input_layouts=(Replicate(),),
-                    use_local_output=True,
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=token_shards),
-                "feed_forward.w3": ColwiseParallel(),
             },
         )
+
+
+def _dense_mlp_plan() -> dict:
+    token_shards = Shard(0)
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(token_shards,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=token_shards),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+
+
+def _moe_plan() -> dict:
+    """MoE layers route and compute this rank's token shard as it is (no gather): the router
+    weight is replicated, so its gradients from the token shards are summed like a norm's;
+    the experts stay whole here and are FSDP-sharded over a mesh that includes ``tp``, whose
+    reduce-scatter sums their gradients over the token shards."""
+    return {"moe.router": SequenceParallel(sequence_dim=0, use_local_output=True)}
