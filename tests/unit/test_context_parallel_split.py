@@ -135,3 +135,22 @@ def test_vision_index_splits_like_every_token_and_pads_with_minus_one(cp, tp):
     # Sample 0's image tokens sit at positions 3 and 4, on both sides of a chunk boundary.
     owners = {r for r, s in enumerate(shards) for v in s.vision_index.tolist() if v in (0, 1)}
     assert len(owners) == 2
+
+
+@pytest.mark.parametrize("cp, tp", [(1, 1), (1, 4), (2, 1), (2, 2), (4, 1)])
+def test_real_token_mask_excludes_every_kind_of_padding(cp, tp):
+    """Router statistics count real tokens only: not the sequence-parallel filler, not the CP
+    zigzag padding, not a filler micro-batch, on the whole micro-batch and on every share."""
+    samples = [_sample(11, 4, 0), _sample(1, 0, 1), _sample(6, 6, 2)]
+    whole = pack(samples, pad_multiple=tp if cp == 1 else 1)
+    real = whole.real_token_mask()
+    assert int(real.sum()) == 18 and bool(real[:18].all())  # padding, if any, comes after
+    if cp == 1:
+        assert whole.num_padding_tokens == -18 % tp
+        return
+    layout = microbatch_layout(whole, cp, tp)
+    shares = [shard_microbatch(whole, cp, r, tp) for r in range(cp)]
+    for r, share in enumerate(shares):
+        assert torch.equal(share.real_token_mask(), layout.split(real, r, pad_value=False))
+    assert sum(int(s.real_token_mask().sum()) for s in shares) == 18
+    assert not shard_microbatch(padding_microbatch(1), cp, 0, tp).real_token_mask().any()
