@@ -228,11 +228,13 @@ class Engine:
             terms = token_terms(loss, logprobs, entropy, mb)
             weights = token_weights(mb, self.options.reduction, counts, self.options.horizon)
             value = weighted_loss(loss, terms, weights)
+            objective = value
             if router_stats is not None:
                 aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
                 router_metrics = self._add_router_metrics(router_metrics, router_stats, aux, z)
-                value = value + router.aux_loss_coef * aux + router.z_loss_coef * z
-            value.backward()
+                # Logged apart (moe/*): their partials are spread over TP ranks too, unlike the token loss's.
+                objective = value + router.aux_loss_coef * aux + router.z_loss_coef * z
+            objective.backward()
             loss_total += value.detach()
             metrics.add(terms, weights)
             token_losses = per_token_loss(loss, terms).detach()
