@@ -15,6 +15,7 @@ from torch import nn
 
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
+from torchtitan_rl.config.manager import HF_FLAVOR, check_model_settings, hf_config_dir
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.packing import VisionPacking
@@ -64,7 +65,10 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
     image token), checked against the initial HF checkpoint and the tokenizer."""
     spec = get_model_spec(job_config.model.name)
     backend = resolve_attn_backend(job_config.model.attn_backend, device)
-    args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
+    if job_config.model.flavor == HF_FLAVOR:
+        args = hf_flavor_args(job_config, spec, backend)
+    else:
+        args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
     if args.is_moe:
         args = dataclasses.replace(args, experts_impl=job_config.moe.experts_impl)
     if spec.takes_images:
@@ -72,7 +76,7 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
         image_id = image_token_ids(tokenizer, m.image_token, m.image_break_token, m.image_end_token).image
         args = dataclasses.replace(args, image_token_id=image_id, vision=dataclasses.replace(args.vision, attn_backend=backend))
     ckpt = job_config.checkpoint
-    if ckpt.initial_load_in_hf:
+    if ckpt.initial_load_in_hf and job_config.model.flavor != HF_FLAVOR:
         # Before building anything: a wrong flavor would otherwise surface as a shape error.
         hf_args = read_hf_model_args(ckpt.initial_load_path, args.attn_backend)
         source = os.path.join(ckpt.initial_load_path, "config.json")
@@ -82,6 +86,21 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
             f"has only {args.vocab_size} embeddings"
         )
+    return args
+
+
+def hf_flavor_args(job_config: JobConfig, spec, attn_backend: str):
+    """The architecture of ``model.flavor = "hf"``: that of the HF ``config.json`` (every
+    unsupported-field check applies), which must be of the ``model.name`` family."""
+    path = hf_config_dir(job_config)
+    args = read_hf_model_args(path, attn_backend)
+    found = spec_for_args(args).name
+    if found != spec.name:
+        raise ValueError(
+            f"model.flavor = 'hf': {os.path.join(path, 'config.json')} describes a {found!r} model, but "
+            f"model.name = {spec.name!r}"
+        )
+    check_model_settings(job_config, args)
     return args
 
 

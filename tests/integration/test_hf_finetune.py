@@ -92,3 +92,30 @@ def test_hf_directory_of_another_flavor_is_refused_before_training(hf_dir, tmp_p
     assert proc.returncode == 2
     assert "another model flavor" in proc.stderr and str(hf_dir / "config.json") in proc.stderr
     assert "model.flavor='debugmodel'" in proc.stderr  # it says which flavor the directory is
+
+
+def test_any_qwen3_size_fine_tunes_with_the_hf_flavor(tmp_path):
+    """model.flavor = "hf": an HF Qwen3 that matches no named flavor takes its architecture
+    from its config.json, and the first loss is transformers' on the same mini-batch."""
+    torch.manual_seed(1)
+    config = Qwen3Config(
+        vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=16, intermediate_size=80, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
+    )
+    folder = tmp_path / "custom-qwen3"
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
+           *ARGS, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder),
+           "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run")]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    loss = read_scalars(str(tmp_path / "run" / "tb"))[LOSS][1]
+    assert loss == pytest.approx(first_batch_loss(Qwen3ForCausalLM.from_pretrained(folder)), rel=1e-5)
+
+
+def test_hf_flavor_needs_a_config_json(tmp_path):
+    cmd = [sys.executable, str(REPO / "train.py"), "--model.flavor", "hf", "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path" in proc.stderr

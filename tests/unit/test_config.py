@@ -329,9 +329,16 @@ def test_unknown_reduction_lists_valid_modes():
     assert_error(["--loss.reduction", "mean"], "loss.reduction", "token_mean", "sequence_mean", "token_mean_legacy")
 
 
-@pytest.mark.parametrize("flavor", ["debugmodel", "0.6B", "1.7B", "4B", "8B"])
+@pytest.mark.parametrize("flavor", ["debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B"])
 def test_known_flavors(flavor):
     assert parse("--model.flavor", flavor).model.flavor == flavor
+
+
+def test_hf_flavor_needs_a_directory_with_config_json():
+    assert parse("--model.flavor", "hf", "--model.hf_assets_path", "assets/x").model.flavor == "hf"
+    assert parse("--model.flavor", "hf", "--checkpoint.initial_load_path", "hf/x", "--checkpoint.initial_load_in_hf",
+                 "true").model.flavor == "hf"
+    assert_error(["--model.flavor", "hf"], "model.flavor: 'hf' takes the architecture from the config.json")
 
 
 def test_unknown_flavor():

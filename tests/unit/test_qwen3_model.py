@@ -179,7 +179,8 @@ def expected_num_params(args: Qwen3ModelArgs) -> int:
     return embeddings + args.n_layers * (attention + feed_forward + norms) + args.dim
 
 
-@pytest.mark.parametrize("flavor, published", [("0.6B", 0.6e9), ("8B", 8.2e9)])
+# Qwen3 model cards: 0.6B, 8.2B, 14.8B, 32.8B parameters.
+@pytest.mark.parametrize("flavor, published", [("0.6B", 0.6e9), ("8B", 8.2e9), ("14B", 14.8e9), ("32B", 32.8e9)])
 def test_num_params_of_published_flavors(flavor, published):
     args = qwen3_flavors[flavor]
     with torch.device("meta"):

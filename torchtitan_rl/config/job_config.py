@@ -45,8 +45,10 @@ class Model:
     images."""
 
     flavor: str = "debugmodel"
-    """Size preset of the family: for qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B; for vlm
-    debugmodel, 0.6B (Pixtral vision tower of Mistral-Small-3.1 on Qwen3-0.6B)."""
+    """Size preset of the family: for qwen3 debugmodel, 0.6B, 1.7B, 4B, 8B, 14B, 32B and the
+    MoE debugmodel_moe, 30B-A3B, 235B-A22B; for vlm debugmodel, 0.6B (Pixtral vision tower of
+    Mistral-Small-3.1 on Qwen3-0.6B). "hf" takes the architecture from the config.json of
+    checkpoint.initial_load_path (Hugging Face) or model.hf_assets_path: any Qwen3 size."""
 
     freeze_vision: bool = False
     """vlm: keep the vision tower's weights fixed (the projector and language model train)."""

@@ -203,13 +203,43 @@ def _check_job_config(cfg: JobConfig) -> None:
     loss_fn_from_config(cfg.loss)
 
     spec = get_model_spec(cfg.model.name)
+    if cfg.model.flavor == HF_FLAVOR:
+        _check_hf_flavor(cfg)
+        # The architecture is only known once config.json is read: the trainer calls
+        # check_model_settings with it.
+        return
     if cfg.model.flavor not in spec.flavors:
         raise ValueError(
             f"model.flavor: unknown flavor {cfg.model.flavor!r} for model.name "
-            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, spec.flavors))}"
+            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, [*spec.flavors, HF_FLAVOR]))}"
         )
-    _check_vision(cfg, spec.takes_images, getattr(spec.flavors[cfg.model.flavor], "spatial_merge_size", 1))
-    _check_moe(cfg, getattr(spec.flavors[cfg.model.flavor], "is_moe", False))
+    check_model_settings(cfg, spec.flavors[cfg.model.flavor])
+
+
+# model.flavor value that takes the architecture from a Hugging Face config.json.
+HF_FLAVOR = "hf"
+
+
+def hf_config_dir(cfg: JobConfig) -> str:
+    """The directory whose config.json defines the model of ``model.flavor = "hf"``."""
+    ckpt = cfg.checkpoint
+    return ckpt.initial_load_path if ckpt.initial_load_in_hf else cfg.model.hf_assets_path
+
+
+def _check_hf_flavor(cfg: JobConfig) -> None:
+    if not hf_config_dir(cfg):
+        raise ValueError(
+            "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path "
+            "(with checkpoint.initial_load_in_hf = true) or of model.hf_assets_path; set one of them"
+        )
+
+
+def check_model_settings(cfg: JobConfig, model_args) -> None:
+    """The checks that depend on the model's architecture (vision keys, MoE keys)."""
+    from torchtitan_rl.models.registry import spec_for_args
+
+    _check_vision(cfg, spec_for_args(model_args).takes_images, getattr(model_args, "spatial_merge_size", 1))
+    _check_moe(cfg, getattr(model_args, "is_moe", False))
 
 
 def _check_moe(cfg: JobConfig, is_moe: bool) -> None:

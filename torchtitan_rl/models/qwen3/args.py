@@ -333,6 +333,8 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     "1.7B": _published(dim=2048, n_layers=28, n_heads=16, hidden_dim=6144, tie_embeddings=True),
     "4B": _published(dim=2560, n_layers=36, n_heads=32, hidden_dim=9728, tie_embeddings=True),
     "8B": _published(dim=4096, n_layers=36, n_heads=32, hidden_dim=12288, tie_embeddings=False),
+    "14B": _published(dim=5120, n_layers=40, n_heads=40, hidden_dim=17408, tie_embeddings=False),
+    "32B": _published(dim=5120, n_layers=64, n_heads=64, hidden_dim=25600, tie_embeddings=False),
     # Tiny MoE for CPU tests and smoke runs: the debugmodel's attention, a dense first layer
     # (mlp_only_layers) then three MoE layers of 8 experts, top-2.
     "debugmodel_moe": Qwen3ModelArgs(
