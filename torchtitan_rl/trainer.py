@@ -21,6 +21,7 @@ from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
 from torchtitan_rl.data.vision_samples import VisionDataConfig
+from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_rl.distributed.init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
@@ -105,14 +106,19 @@ def hf_flavor_args(job_config: JobConfig, spec, attn_backend: str):
 
 
 def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype,
-                freeze_vision: bool = False) -> nn.Module:
-    """Build on meta, parallelize, then materialize and initialize identically for any layout."""
+                freeze_vision: bool = False, ac_mode: str = "none", ac_every: int = 1) -> nn.Module:
+    """Build on meta, parallelize, then materialize and initialize identically for any layout.
+
+    ``ac_mode`` / ``ac_every``: activation checkpointing of the transformer blocks
+    (``distributed.activation_checkpoint``).
+    """
     spec = spec_for_args(args)
     with torch.device("meta"):
         model = spec.model_cls(args)
     if freeze_vision:
         # Before FSDP, which fixes each sharded parameter's requires_grad when it wraps it.
         model.vision_tower.requires_grad_(False)
+    apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
     spec.parallelize(model, parallel_dims, param_dtype, torch.float32)
     model.to_empty(device=device)
     init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
@@ -138,7 +144,11 @@ def build_engine(
     ``num_optimizer_steps``."""
     model_args = model_args_from_config(job_config, device, tokenizer)
     dtype = compute_dtype(job_config, device)
-    model = build_model(model_args, parallel_dims, device, job_config.debug.seed, dtype, job_config.model.freeze_vision)
+    ac = job_config.activation_checkpoint
+    model = build_model(
+        model_args, parallel_dims, device, job_config.debug.seed, dtype, job_config.model.freeze_vision,
+        ac.mode, ac.selective_every,
+    )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training

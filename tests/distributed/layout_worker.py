@@ -171,6 +171,26 @@ def run_bad_inputs(dims: ParallelDims, results: dict) -> None:
     results["bad_input/then_good_step_grad"] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
 
 
+# (dp_replicate, dp_shard, cp, tp) layouts that also run with activation checkpointing.
+AC_LAYOUTS = ((1, 2, 1, 1), (1, 2, 1, 2))
+AC_CASE = ("cross_entropy", "token_mean", 24, ("uneven",), False)
+
+
+def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
+    """The AC_CASE's gradients with every block recomputed, and with every second one."""
+    layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    if layout not in AC_LAYOUTS:
+        return
+    device = torch.device("cpu")
+    for mode, every in (("full", 1), ("selective", 2)):
+        model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32, ac_mode=mode, ac_every=every)
+        _, mode_name, budget, _, _ = AC_CASE
+        options = EngineOptions(mode_name, lc.HORIZON, budget, logits_chunk_size=16, max_norm=0.0)
+        engine = Engine(model, None, None, dims, device, options)
+        engine.forward_backward(share(lc.global_batch(AC_CASE[3][0]), dims))
+        results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+
+
 def run_all_layouts(world_size: int) -> dict:
     results: dict = {}
     for dp_replicate, dp_shard, cp, tp in lc.layouts(world_size):
@@ -192,6 +212,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
+        run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
     return results
 
 

@@ -120,3 +120,15 @@ def test_moe_resume_on_same_layout_is_bit_identical(tmp_path):
     full, resumed = read_scalars(str(uninterrupted_moe / "tb")), read_scalars(str(dump / "tb"))
     for tag in (*EXACT_TAGS, "moe/aux_loss", "moe/z_loss", "moe/load_imbalance/layer_1"):
         assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag
+
+
+def test_checkpoint_written_with_activation_checkpointing_loads_without_it(uninterrupted, tmp_path):
+    """Activation checkpointing keeps parameter names: a run saved with it resumes without it
+    and continues as the run that never used it."""
+    with_ac = tmp_path / "with_ac"
+    check(run(with_ac, 2, "--activation_checkpoint.mode", "full"))
+    dump = stopped_after_step_3(with_ac, tmp_path / "without_ac")
+    assert "resuming after step 3" in check(run(dump, 2))
+    full, resumed = read_scalars(str(uninterrupted / "tb")), read_scalars(str(dump / "tb"))
+    for tag in EXACT_TAGS:
+        assert [resumed[tag][s] for s in (4, 5, 6)] == pytest.approx([full[tag][s] for s in (4, 5, 6)], rel=1e-6), tag

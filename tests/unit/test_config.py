@@ -341,6 +341,13 @@ def test_hf_flavor_needs_a_directory_with_config_json():
     assert_error(["--model.flavor", "hf"], "model.flavor: 'hf' takes the architecture from the config.json")
 
 
+def test_activation_checkpoint_settings():
+    cfg = parse("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_every", "3")
+    assert (cfg.activation_checkpoint.mode, cfg.activation_checkpoint.selective_every) == ("selective", 3)
+    assert_error(["--activation_checkpoint.mode", "op"], "activation_checkpoint.mode", "'selective'")
+    assert_error(["--activation_checkpoint.selective_every", "0"], "activation_checkpoint.selective_every")
+
+
 def test_unknown_flavor():
     assert_error(["--model.flavor", "70B"], "model.flavor", "'70B'", "'debugmodel'", "'8B'")
 

@@ -197,6 +197,19 @@ class Parallelism:
 
 
 @dataclass
+class ActivationCheckpoint:
+    """Recompute activations in backward instead of keeping them (less memory, more compute).
+    Parameter names, checkpoints and results are the same with or without it."""
+
+    mode: Literal["none", "full", "selective"] = "none"
+    """none: keep every activation. full: recompute every transformer block. selective:
+    recompute every activation_checkpoint.selective_every-th block."""
+
+    selective_every: int = bounded(2, ge=1)
+    """selective: checkpoint blocks 0, k, 2k, ... for k = this value."""
+
+
+@dataclass
 class Loss:
     """The loss function and how its per-token terms are normalized; identical for any
     parallel layout. Every term (policy gradient, KL, entropy) is weighted by the same
@@ -506,6 +519,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     loss: Loss = field(default_factory=Loss)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     moe: MoE = field(default_factory=MoE)
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)

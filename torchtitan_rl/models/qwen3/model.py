@@ -288,6 +288,11 @@ class Qwen3Model(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return module
 
+    def blocks(self) -> list[nn.Module]:
+        """The repeated transformer blocks, in forward order (units of activation
+        checkpointing and compilation)."""
+        return list(self.layers.values())
+
     def num_params(self) -> int:
         """Distinct parameters (tied embeddings counted once)."""
         return sum(p.numel() for p in self.parameters())

@@ -82,6 +82,9 @@ class VLMModel(Qwen3Model):
         # (under sequence-parallel TP each rank holds a slice of the tokens).
         self.merge_vision_features = merge_vision_features
 
+    def blocks(self) -> list[nn.Module]:
+        return [*self.vision_tower.layers.values(), *super().blocks()]
+
     def encode_images(self, patches: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Projected image features ``[F, dim]``: per image ``(rows/m) * (cols/m)`` rows, row-major."""
         m = self.args.spatial_merge_size
