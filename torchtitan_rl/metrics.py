@@ -79,8 +79,10 @@ class MetricsLogger:
 
         ``moe/aux_loss`` and ``moe/z_loss`` (unweighted) when their coefficient is on;
         ``moe/load_imbalance/layer_{i}``: the busiest expert's count over the mean count."""
-        losses = torch.stack([router.aux_loss, router.z_loss])
-        losses, counts = (all_reduce(t, "sum", self.parallel_dims.mesh("world")) for t in (losses, router.counts))
+        # One collective for the losses and the counts.
+        packed = torch.cat([torch.stack([router.aux_loss, router.z_loss]), router.counts.flatten().float()])
+        packed = all_reduce(packed, "sum", self.parallel_dims.mesh("world"))
+        losses, counts = packed[:2], packed[2:].view_as(router.counts)
         values = {}
         if router.config.aux_loss_coef > 0:
             values["moe/aux_loss"] = float(losses[0])

@@ -315,20 +315,22 @@ def _published(dim, n_layers, n_heads, hidden_dim, tie_embeddings) -> Qwen3Model
     )
 
 
+# Tiny, for CPU tests and smoke runs.
+_DEBUGMODEL = Qwen3ModelArgs(
+    vocab_size=512,
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=384,
+    rope_theta=1_000_000.0,
+    tie_embeddings=False,
+    max_seq_len=2048,
+)
+
 qwen3_flavors: dict[str, Qwen3ModelArgs] = {
-    # Tiny, for CPU tests and smoke runs.
-    "debugmodel": Qwen3ModelArgs(
-        vocab_size=512,
-        dim=128,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        hidden_dim=384,
-        rope_theta=1_000_000.0,
-        tie_embeddings=False,
-        max_seq_len=2048,
-    ),
+    "debugmodel": _DEBUGMODEL,
     "0.6B": _published(dim=1024, n_layers=28, n_heads=16, hidden_dim=3072, tie_embeddings=True),
     "1.7B": _published(dim=2048, n_layers=28, n_heads=16, hidden_dim=6144, tie_embeddings=True),
     "4B": _published(dim=2560, n_layers=36, n_heads=32, hidden_dim=9728, tie_embeddings=True),
@@ -337,21 +339,8 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     "32B": _published(dim=5120, n_layers=64, n_heads=64, hidden_dim=25600, tie_embeddings=False),
     # Tiny MoE for CPU tests and smoke runs: the debugmodel's attention, a dense first layer
     # (mlp_only_layers) then three MoE layers of 8 experts, top-2.
-    "debugmodel_moe": Qwen3ModelArgs(
-        vocab_size=512,
-        dim=128,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=32,
-        hidden_dim=384,
-        rope_theta=1_000_000.0,
-        tie_embeddings=False,
-        max_seq_len=2048,
-        num_experts=8,
-        num_experts_per_tok=2,
-        moe_hidden_dim=64,
-        norm_topk_prob=True,
+    "debugmodel_moe": dataclasses.replace(
+        _DEBUGMODEL, n_layers=4, num_experts=8, num_experts_per_tok=2, moe_hidden_dim=64, norm_topk_prob=True,
         mlp_only_layers=(0,),
     ),
     "30B-A3B": _published_moe(dim=2048, n_layers=48, n_heads=32, hidden_dim=6144, moe_hidden_dim=768),

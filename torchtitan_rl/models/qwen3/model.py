@@ -30,10 +30,16 @@ INIT_STD = 0.02
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
-def param_seed(seed: int, fqn: str) -> int:
-    """Seed for one parameter's generator: depends on the run seed and the parameter name only."""
+def unwrapped_name(fqn: str) -> str:
+    """A parameter's name without the prefixes wrapper modules insert."""
     for prefix in _WRAPPER_PREFIXES:
         fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def param_seed(seed: int, fqn: str) -> int:
+    """Seed for one parameter's generator: depends on the run seed and the parameter name only."""
+    fqn = unwrapped_name(fqn)
     return (seed * 0x9E3779B1 + zlib.crc32(fqn.encode())) % (2**63)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, RMSNorm, check_packed_inputs
+from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, RMSNorm, check_packed_inputs, unwrapped_name
 from torchtitan_rl.models.vision.model import VisionTransformer, check_grids
 from torchtitan_rl.models.vlm.args import VLMModelArgs
 
@@ -78,8 +78,8 @@ class VLMModel(Qwen3Model):
         super().__init__(args)
         self.vision_tower = VisionTransformer(args.vision)
         self.projector = Projector(args)
-        # (h, features, vision_index) -> h. A plain function, not a method: parallelism swaps it
-        # (under sequence-parallel TP each rank holds a slice of the tokens).
+        # (h, features, vision_index) -> h. A plain function, not a method: tensor parallel swaps
+        # it for one that sums the features' gradient over the TP ranks.
         self.merge_vision_features = merge_vision_features
 
     def blocks(self) -> list[nn.Module]:
@@ -120,14 +120,14 @@ class VLMModel(Qwen3Model):
                 # Free on the host; on an accelerator it would cost a sync per forward (there an
                 # out-of-range gather fails on its own).
                 _check_vision_index(index, features.shape[0])
-            h = self.merge_vision_features(h, features, index)
+            # Under sequence-parallel TP the residual stream holds this rank's token shard only.
+            h = self.merge_vision_features(h, features, self.shard_tokens(index))
         return self.decode(h, positions, seq_ids)
 
     @torch.no_grad()
     def init_param_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill ``tensor`` (the full-shape parameter named ``fqn``) in place from ``generator``."""
-        for prefix in ("_checkpoint_wrapped_module.", "_orig_mod."):
-            fqn = fqn.replace(prefix, "")
+        fqn = unwrapped_name(fqn)
         if not fqn.startswith(("vision_tower.", "projector.")):
             return super().init_param_(fqn, tensor, generator)
         *_, module_name, param_name = fqn.split(".")

@@ -28,13 +28,11 @@ def parallelize_vlm(model: nn.Module, parallel_dims: ParallelDims, param_dtype: 
 
 
 def tp_merge_vision_features(tp_mesh: DeviceMesh):
-    """``merge_vision_features`` for a residual stream sharded over ``tp`` by tokens."""
-    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    """``merge_vision_features`` for a residual stream sharded over ``tp`` by tokens (the model
+    passes this rank's share of ``vision_index``, see ``Qwen3Model.shard_tokens``)."""
 
     def merge(h: torch.Tensor, features: torch.Tensor, vision_index: torch.Tensor) -> torch.Tensor:
-        # Sequence parallel splits the (padded) tokens evenly; this rank holds chunk ``rank``.
-        local_index = vision_index.chunk(tp)[rank]
-        return merge_vision_features(h, _SumGradOverTP.apply(features, tp_mesh), local_index)
+        return merge_vision_features(h, _SumGradOverTP.apply(features, tp_mesh), vision_index)
 
     return merge
 
