@@ -80,7 +80,6 @@ def _measure(step, device: torch.device) -> tuple[int, float]:
 def _gathered_logprobs(hidden, weight, labels, cp_mesh):
     """Log-probs of this rank's tokens, computed from logits all-gathered over ``cp``."""
     from torchtitan_rl.compat import all_gather, all_gather_autograd
-    from torchtitan_rl.losses.logprobs import _logprobs_from_logits
 
     logits = hidden @ weight.t()
     rank = 0
@@ -88,14 +87,14 @@ def _gathered_logprobs(hidden, weight, labels, cp_mesh):
         rank = cp_mesh.get_local_rank()
         logits = all_gather_autograd(logits, cp_mesh)  # [T, V], in rank order
         labels = all_gather(labels, cp_mesh)
-    logprobs, _ = _logprobs_from_logits(logits, labels, 0, None, False)
+    logprobs = logits.float().log_softmax(-1).gather(1, labels[:, None])[:, 0]
     n = hidden.shape[0]
     # Only this rank's rows carry gradient; the gather's reduce-scatter hands each rank its own.
     return logprobs[rank * n : (rank + 1) * n]
 
 
 def _loss_step(args, variant, dims, device):
-    from torchtitan_rl.losses.logprobs import token_logprobs
+    from torchtitan_rl.losses.logprobs import token_loss
 
     cp_mesh = dims.mesh("cp")
     rank = 0 if cp_mesh is None else cp_mesh.get_local_rank()
@@ -111,10 +110,10 @@ def _loss_step(args, variant, dims, device):
     def step():
         hidden.grad = weight.grad = None  # every step allocates its gradients anew
         if variant == "gather":
-            logprobs = _gathered_logprobs(hidden, weight, labels, cp_mesh)
+            loss = -_gathered_logprobs(hidden, weight, labels, cp_mesh).sum()
         else:
-            logprobs, _ = token_logprobs(hidden, weight, labels, chunk, None)
-        (-logprobs.sum()).backward()
+            loss = token_loss(hidden, weight, labels, chunk, lambda start, end, lp, _: -lp.sum())[0]
+        loss.backward()
 
     return step
 

@@ -3,12 +3,18 @@
     .venv/bin/python scripts/benchmark_loss_path.py            # measure, append to docs/benchmarks.md
     .venv/bin/python scripts/benchmark_loss_path.py --no-write
 
-Each configuration runs in fresh processes (``torchrun``, gloo on CPU, NCCL on CUDA) so
-peaks do not leak between them. The loss path starts from this rank's final hidden states
-(its sequence-parallel shard under tensor parallel) and the output weight (its vocabulary
-shard) and ends after backward. Peak memory is the rank's peak RSS growth during the loss
-path on CPU, and the allocator's peak above the inputs on CUDA. "unchunked" is the same code
-with one chunk holding every token.
+Each measurement runs in fresh processes (``torchrun``, gloo on CPU, NCCL on CUDA) so peaks
+do not leak between them, and the variants alternate (two rounds) so that load on a shared
+machine hits them alike. The loss path starts from this rank's final hidden states (its
+sequence-parallel shard under tensor parallel) and the output weight (its vocabulary shard)
+and ends after backward.
+
+- chunked: ``losses.logprobs.token_loss`` (what training runs): per chunk of tokens, logits,
+  log-probs, and the chunk's gradient taken at once, nothing recomputed;
+- full logits: ``F.cross_entropy`` on the whole ``[T, V]`` logits (one rank), the baseline.
+
+Peak memory is the rank's peak RSS growth during the loss path on CPU, and the allocator's
+peak above the inputs on CUDA; time is one forward+backward after a warm-up.
 """
 
 import argparse
@@ -38,12 +44,13 @@ def _current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(tokens: int, dim: int, vocab: int, chunk: int) -> None:
+def worker(tokens: int, dim: int, vocab: int, chunk: int, variant: str) -> None:
     import torch.distributed as dist
+    import torch.nn.functional as F
 
     from torchtitan_rl.distributed.parallel_dims import ParallelDims
     from torchtitan_rl.distributed.utils import init_distributed
-    from torchtitan_rl.losses.logprobs import token_logprobs
+    from torchtitan_rl.losses.logprobs import token_loss
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE", 1))))
     rank, world_size, device = init_distributed(600)
@@ -55,10 +62,15 @@ def worker(tokens: int, dim: int, vocab: int, chunk: int) -> None:
     weight = torch.randn(vocab // world_size, dim, generator=gen, device=device, dtype=dtype) * dim**-0.5
     weight.requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
+    assert variant == "chunked" or world_size == 1, "the full-logits baseline runs on one rank"
 
     def step():
-        logprobs, _ = token_logprobs(hidden, weight, labels, chunk, dims.mesh("tp"))
-        (-logprobs.sum()).backward()
+        hidden.grad = weight.grad = None  # every step allocates its gradients anew
+        if variant == "full":
+            loss = F.cross_entropy((hidden @ weight.t()).float(), labels, reduction="sum")
+        else:
+            loss = token_loss(hidden, weight, labels, chunk, lambda start, end, lp, _: -lp.sum(), dims.mesh("tp"))[0]
+        loss.backward()
 
     # On CPU the process's peak RSS only grows, so its growth over the RSS with the inputs
     # in place covers the warm-up and the timed step alike.
@@ -109,55 +121,64 @@ def launch(script: str, nproc: int, args: list[str], env: dict | None = None, re
     return {"error": error}
 
 
-def run_config(tokens: int, dim: int, vocab: int, chunk: int, tp: int) -> dict:
-    return launch(__file__, tp, [f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}", f"--chunk={chunk}"])
+def run_config(tokens: int, dim: int, vocab: int, chunk: int, tp: int, variant: str) -> dict:
+    return launch(__file__, tp, [f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}", f"--chunk={chunk}",
+                                 f"--variant={variant}"])
+
+
+def _mean(results: list[dict]) -> dict:
+    errors = [r for r in results if "error" in r]
+    if errors:
+        return errors[0]
+    return {key: sum(r[key] for r in results) / len(results) for key in ("peak_gib", "seconds")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", choices=("chunked", "full"), default="chunked", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--dim", type=int, default=256, help="model dim (Qwen3-0.6B: 1024; smaller keeps CPU runs short)")
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--chunk", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; figures are their means")
     parser.add_argument("--no-write", action="store_true", help="print only; do not append to docs/benchmarks.md")
     args = parser.parse_args()
     if args.worker:
-        worker(args.tokens, args.dim, args.vocab, args.chunk)
+        worker(args.tokens, args.dim, args.vocab, args.chunk, args.variant)
         return
 
-    on_cuda = torch.cuda.is_available()
-    # The unchunked path holds about three [T, V] float32 buffers at its peak; on a small
-    # CPU machine the comparison is also shown at half the tokens, and skipped where it
-    # would not fit.
-    token_counts = [args.tokens] if on_cuda else [args.tokens // 2, args.tokens]
-    rows = []
-    for tokens in token_counts:
-        for tp in (1, 2):
-            chunked = run_config(tokens, args.dim, args.vocab, args.chunk, tp)
-            unchunked = (run_config(tokens, args.dim, args.vocab, tokens, tp)
-                         if on_cuda or tokens * args.vocab * 4 * 3.2 < 18 * 2**30
-                         else {"error": "not run: would not fit in this machine's memory"})
-            rows.append((tokens, tp, chunked, unchunked))
+    configs = [("full", 1), ("chunked", 1), ("chunked", 2)]
+    results: dict[tuple[str, int], list[dict]] = {config: [] for config in configs}
+    for _ in range(args.rounds):
+        for variant, tp in configs:
+            results[(variant, tp)].append(run_config(args.tokens, args.dim, args.vocab, args.chunk, tp, variant))
+    means = {config: _mean(runs) for config, runs in results.items()}
+    full = means[("full", 1)]
 
     def fmt(r):
         return r["error"] if "error" in r else f"{r['peak_gib']:.2f} GiB, {r['seconds']:.2f} s"
 
+    def ratio(r, key):
+        return "—" if "error" in r or "error" in full else f"{r[key] / full[key]:.2f}"
+
+    on_cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if on_cuda else f"CPU ({os.cpu_count()} cores, gloo)"
     lines = [
-        f"## Loss path memory, {datetime.date.today().isoformat()} ({device}, torch {torch.__version__}, {platform.machine()})",
+        f"## Loss path without recompute, {datetime.date.today().isoformat()} ({device}, torch {torch.__version__}, "
+        f"{platform.machine()})",
         "",
         f"Command: `.venv/bin/python scripts/benchmark_loss_path.py` — output head + log-probs + backward, "
-        f"vocab {args.vocab}, dim {args.dim}, chunk {args.chunk} tokens; per-rank peak memory of the loss path "
-        f"({'allocator peak' if on_cuda else 'peak RSS growth'}) and time of one forward+backward.",
+        f"{args.tokens} tokens, vocab {args.vocab}, dim {args.dim}, chunk {args.chunk} tokens; per-rank peak memory "
+        f"of the loss path ({'allocator peak' if on_cuda else 'peak RSS growth'}) and time of one forward+backward, "
+        f"means of {args.rounds} alternating rounds in fresh processes.",
         "",
-        "| tokens | tp | chunked | unchunked | chunked / unchunked memory |",
+        "| variant | tp | per-rank peak, time | memory / full | time / full |",
         "|---|---|---|---|---|",
     ]
-    for tokens, tp, chunked, unchunked in rows:
-        ratio = ("—" if "error" in chunked or "error" in unchunked
-                 else f"{chunked['peak_gib'] / unchunked['peak_gib']:.3f}")
-        lines.append(f"| {tokens} | {tp} | {fmt(chunked)} | {fmt(unchunked)} | {ratio} |")
+    for (variant, tp), r in means.items():
+        name = "full logits (`F.cross_entropy`)" if variant == "full" else "chunked (`token_loss`)"
+        lines.append(f"| {name} | {tp} | {fmt(r)} | {ratio(r, 'peak_gib')} | {ratio(r, 'seconds')} |")
     lines.append("")
     publish(lines, write=not args.no_write)
 

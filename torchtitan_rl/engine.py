@@ -19,7 +19,7 @@ from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks, shard_microbatch
 from torchtitan_rl.distributed.utils import all_reduce, host_max
-from torchtitan_rl.losses.logprobs import token_logprobs
+from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
 from torchtitan_rl.losses.reduction import (
     GROUPED_MODES,
@@ -172,27 +172,17 @@ class Engine:
             mb.input_ids, mb.positions, mb.seq_ids, router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs, **kwargs
         )
 
-    def _token_logprobs(
-        self, mb: MicroBatch, with_entropy: bool, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
-        """Per-token ``log p(labels)`` and entropies (or None), ``[T]``, of a device-resident
-        micro-batch, and the router statistics of a MoE model (else None)."""
-        with self._autocast():
-            hidden, router_stats = self._forward(mb)
-            if self.options.temperature != 1.0:
-                # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
-                hidden = hidden / self.options.temperature
-            logprobs, entropy = token_logprobs(
-                hidden,
-                self.model.output.weight,
-                mb.labels,
-                self.options.logits_chunk_size,
-                tp_mesh=self.parallel_dims.mesh("tp"),
-                loss_parallel=self.options.loss_parallel,
-                with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
-            )
-        return logprobs, entropy, router_stats
+    def _hidden(self, mb: MicroBatch) -> tuple[torch.Tensor, object]:
+        """The final hidden states of a device-resident micro-batch, divided by the sampling
+        temperature, and the router statistics of a MoE model (else None)."""
+        hidden, router_stats = self._forward(mb)
+        if self.options.temperature != 1.0:
+            # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
+            hidden = hidden / self.options.temperature
+        return hidden, router_stats
+
+    def _logprob_options(self) -> dict[str, Any]:
+        return {"tp_mesh": self.parallel_dims.mesh("tp"), "loss_parallel": self.options.loss_parallel}
 
     def forward_backward(
         self, samples: list[Sample], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
@@ -224,10 +214,22 @@ class Engine:
             if isinstance(self.model, FSDPModule):
                 # Accumulate unsharded gradients locally; reduce-scatter their sum once.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            logprobs, entropy, router_stats = self._token_logprobs(mb, loss.needs_entropy, loss.options["entropy_coef"] != 0)
-            terms = token_terms(loss, logprobs, entropy, mb)
             weights = token_weights(mb, self.options.reduction, counts, self.options.horizon)
-            value = weighted_loss(loss, terms, weights)
+
+            def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=weights):
+                chunk = mb.map_tokens(lambda t: t[start:end])
+                return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
+
+            with self._autocast():
+                hidden, router_stats = self._hidden(mb)
+                # The loss and its gradient with respect to the hidden states and output weight,
+                # chunk by chunk; backward through the model starts from there.
+                value, logprobs, entropy = token_loss(
+                    hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size, loss_of_chunk,
+                    with_entropy=loss.needs_entropy, entropy_grad=loss.options["entropy_coef"] != 0,
+                    **self._logprob_options(),
+                )
+            terms = token_terms(loss, logprobs, entropy, mb)  # detached: for metrics
             objective = value
             if router_stats is not None:
                 aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
@@ -299,7 +301,13 @@ class Engine:
         entropies: list[torch.Tensor] = []
         cp_mesh = self.parallel_dims.mesh("cp")
         for mb in self._microbatches(samples)[1]:
-            mb_logprobs, mb_entropy, _ = self._token_logprobs(mb.to(self.device), with_entropy)
+            mb = mb.to(self.device)
+            with self._autocast():
+                hidden, _ = self._hidden(mb)
+                mb_logprobs, mb_entropy = token_logprobs(
+                    hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size,
+                    with_entropy=with_entropy, **self._logprob_options(),
+                )
             per_token = torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1)
             if mb.is_padding:
                 continue

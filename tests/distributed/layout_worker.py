@@ -26,7 +26,7 @@ from torchtitan_rl.distributed.context_parallel import (
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
-from torchtitan_rl.losses.logprobs import token_logprobs
+from torchtitan_rl.losses.logprobs import token_loss
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import packed_attention
@@ -109,9 +109,14 @@ def run_logprobs(tp_mesh, results: dict) -> None:
         for chunk in lc.LOGPROB_CHUNKS:
             hidden = hidden_full.chunk(tp)[rank].clone().requires_grad_()  # sequence-parallel shard
             weight = weight_full.chunk(tp)[rank].clone().requires_grad_()  # vocabulary shard
-            logprobs, entropy = token_logprobs(hidden, weight, labels, chunk, tp_mesh, loss_parallel, with_entropy=True)
-            # Any scalar of both outputs; the reference differentiates the same one.
-            (logprobs * torch.arange(1.0, lc.LOGPROB_TOKENS + 1)).sum().add(entropy.sum()).backward()
+            # Any per-token scalar of both outputs; the reference differentiates the same one.
+            token_scale = torch.arange(1.0, lc.LOGPROB_TOKENS + 1)
+            loss, logprobs, entropy = token_loss(
+                hidden, weight, labels, chunk,
+                lambda start, end, lp, ent: (lp * token_scale[start:end]).sum().add(ent.sum()),
+                tp_mesh, loss_parallel, with_entropy=True,
+            )
+            loss.backward()
             results[f"tp{tp}/logprobs/parallel{int(loss_parallel)}/chunk{chunk}"] = {
                 "logprobs": logprobs.detach(), "entropy": entropy.detach(),
                 "grad_hidden": all_gather_autograd(hidden.grad, tp_mesh).clone(),  # clone waits

@@ -21,7 +21,7 @@ from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from reference import minibatch_loss
-from torchtitan_rl.losses.logprobs import token_logprobs
+from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer, lr_factor
@@ -119,14 +119,18 @@ def assert_grads_close(got, expected):
 
 
 class LargestTensorMode(TorchDispatchMode):
-    """Records the element count of the largest tensor any op produces."""
+    """Records the element count of the largest tensor any op produces, and the matrix products
+    (the entropy's per-token dot products are batched products, not counted)."""
 
     def __init__(self):
         super().__init__()
         self.largest = 0
+        self.num_matmuls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.num_matmuls += 1
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
@@ -144,17 +148,29 @@ def test_chunked_logprobs_and_entropy_match_full_logits(chunk):
     labels = torch.randint(0, vocab, (num_tokens,))
     weights = torch.rand(num_tokens)
 
+    def loss_of_chunk(start, end, logprobs, entropy):
+        return -(logprobs * weights[start:end]).sum() + entropy.sum()
+
     with LargestTensorMode() as mode:
-        logprobs, entropy = token_logprobs(hidden, weight, labels, chunk, with_entropy=True)
-        (-(logprobs * weights).sum() + entropy.sum()).backward()
-    # Logits exist only chunk by chunk, in forward and in backward.
+        loss, logprobs, entropy = token_loss(hidden, weight, labels, chunk, loss_of_chunk, with_entropy=True)
+    # Logits exist only chunk by chunk; per chunk: logits, then the two gradient products.
     assert mode.largest <= max(min(chunk, num_tokens) * vocab, vocab * dim)
+    assert mode.num_matmuls == 3 * -(-num_tokens // chunk)
+    with LargestTensorMode() as mode:
+        loss.backward()
+    # Backward recomputes nothing: it only scales the gradients taken in forward.
+    assert mode.num_matmuls == 0 and mode.largest == vocab * dim
+    no_grad_logprobs, no_grad_entropy = token_logprobs(hidden, weight, labels, chunk, with_entropy=True)
 
     ref_log_softmax = (ref_hidden @ ref_weight.t()).log_softmax(-1)
     ref_logprobs = ref_log_softmax.gather(1, labels[:, None])[:, 0]
     ref_entropy = -(ref_log_softmax.exp() * ref_log_softmax).sum(-1)
-    (-(ref_logprobs * weights).sum() + ref_entropy.sum()).backward()
+    ref_loss = -(ref_logprobs * weights).sum() + ref_entropy.sum()
+    ref_loss.backward()
     assert logprobs.shape == entropy.shape == (num_tokens,)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(no_grad_logprobs, ref_logprobs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(no_grad_entropy, ref_entropy, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(entropy, ref_entropy, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(hidden.grad, ref_hidden.grad, rtol=1e-5, atol=1e-6)

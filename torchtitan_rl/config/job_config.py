@@ -231,7 +231,8 @@ class Loss:
     """The constant L of seq_mean_token_sum_norm. None uses training.seq_len."""
 
     logits_chunk_size: int = bounded(1024, gt=0)
-    """Tokens per chunk when computing logits and cross-entropy, bounding peak memory."""
+    """Tokens per chunk of the output head and loss: at most this many tokens' logits exist at
+    once. Each chunk's gradient is taken during the forward pass, so nothing is recomputed."""
 
     loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo"] = "cross_entropy"
     """Per-token policy term, with A the advantage and r = p_theta / p_sampler:
