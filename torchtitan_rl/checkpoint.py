@@ -292,17 +292,27 @@ class CheckpointManager:
         else:
             states = self.states
         if self.config.async_mode == "async":
-            future = dcp.async_save(
+            written = dcp.async_save(
                 states, checkpoint_id=partial, process_group=self._async_group, no_dist=not dist.is_initialized()
             )
+            # What wait() waits for: the write *and* the completion mark. The write's own future
+            # is resolved before its callbacks run, so waiting on it alone would let the next
+            # save, or the exit, overlap the rename and pruning.
+            committed: Future = Future()
 
             def commit_when_written(done: Future) -> None:
-                # A failed write stays .partial; wait() re-raises its error in the training thread.
-                if done.exception() is None:
+                # Runs in the writer thread. A failed write stays .partial; wait() re-raises its
+                # error (or the commit's) in the training thread.
+                try:
+                    done.result()
                     self._commit(partial, final, description)
+                except BaseException as err:  # noqa: BLE001  (any error must reach wait(), else it waits forever)
+                    committed.set_exception(err)
+                else:
+                    committed.set_result(None)
 
-            future.add_done_callback(commit_when_written)
-            self._pending = future
+            written.add_done_callback(commit_when_written)
+            self._pending = committed
             return
         dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
         self._commit(partial, final, description)
@@ -327,10 +337,19 @@ class CheckpointManager:
             logger.info("deleted checkpoint %s (checkpoint.keep_latest_k=%d)", path, keep)
 
     def wait(self) -> None:
-        """Block until a background save finished (and surface its error)."""
+        """Block until a background save is written and marked complete (and surface its error)."""
         if self._pending is not None:
             future, self._pending = self._pending, None
             future.result()
+
+    def close(self) -> None:
+        """Finish a background save (raising its error), then destroy the group it wrote with."""
+        try:
+            self.wait()
+        finally:
+            if self._async_group is not None:
+                dist.destroy_process_group(self._async_group)
+                self._async_group = None
 
     def _barrier(self) -> None:
         if dist.is_initialized():

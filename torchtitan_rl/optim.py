@@ -7,17 +7,33 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def build_optimizer(model: nn.Module, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach")
+
+
+def build_optimizer(
+    model: nn.Module, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    implementation: str = "auto",
+) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (frozen ones get no state), one parameter group
-    per device mesh: foreach kernels cannot mix plain tensors and DTensors of different
-    meshes (a VLM's vision tower is replicated over tensor parallel, its language model is not)."""
+    per device mesh: multi-tensor kernels cannot mix plain tensors and DTensors of different
+    meshes (a VLM's vision tower is replicated over tensor parallel, its language model is not).
+
+    ``implementation``: ``fused`` (one kernel per parameter group) or ``foreach`` (multi-tensor
+    ops); ``auto`` is fused, which torch has for CPU and CUDA tensors and DTensors, equals
+    foreach up to float rounding and measured faster (docs/benchmarks.md).
+    """
+    if implementation not in OPTIMIZER_IMPLEMENTATIONS:
+        raise ValueError(
+            f"optimizer.implementation: {implementation!r} is not one of {', '.join(OPTIMIZER_IMPLEMENTATIONS)}"
+        )
     groups: dict[object, list[nn.Parameter]] = {}
     for param in model.parameters():
         if param.requires_grad:
             groups.setdefault(param.device_mesh if isinstance(param, DTensor) else None, []).append(param)
+    kernel = "foreach" if implementation == "foreach" else "fused"
     return torch.optim.AdamW(
         [{"params": params} for params in groups.values()],
-        lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, foreach=True,
+        lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, **{kernel: True},
     )
 
 

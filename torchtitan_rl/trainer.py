@@ -10,7 +10,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
@@ -22,6 +21,7 @@ from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
 from torchtitan_rl.data.vision_samples import VisionDataConfig
 from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_rl.distributed.compile import apply_compile
 from torchtitan_rl.distributed.init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
@@ -106,11 +106,13 @@ def hf_flavor_args(job_config: JobConfig, spec, attn_backend: str):
 
 
 def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype,
-                freeze_vision: bool = False, ac_mode: str = "none", ac_every: int = 1) -> nn.Module:
+                freeze_vision: bool = False, ac_mode: str = "none", ac_every: int = 1,
+                compile_backend=None) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout.
 
     ``ac_mode`` / ``ac_every``: activation checkpointing of the transformer blocks
-    (``distributed.activation_checkpoint``).
+    (``distributed.activation_checkpoint``). ``compile_backend``: torch.compile the blocks
+    with this backend, a name or a callable (``distributed.compile``); None leaves them eager.
     """
     spec = spec_for_args(args)
     with torch.device("meta"):
@@ -118,6 +120,9 @@ def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: i
     if freeze_vision:
         # Before FSDP, which fixes each sharded parameter's requires_grad when it wraps it.
         model.vision_tower.requires_grad_(False)
+    if compile_backend is not None:
+        # Before activation checkpointing, which then recomputes the compiled forward.
+        apply_compile(model.blocks(), compile_backend)
     apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
     spec.parallelize(model, parallel_dims, param_dtype, torch.float32)
     model.to_empty(device=device)
@@ -144,15 +149,15 @@ def build_engine(
     ``num_optimizer_steps``."""
     model_args = model_args_from_config(job_config, device, tokenizer)
     dtype = compute_dtype(job_config, device)
-    ac = job_config.activation_checkpoint
+    ac, compile_config = job_config.activation_checkpoint, job_config.compile
     model = build_model(
         model_args, parallel_dims, device, job_config.debug.seed, dtype, job_config.model.freeze_vision,
-        ac.mode, ac.selective_every,
+        ac.mode, ac.selective_every, compile_config.backend if compile_config.enable else None,
     )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
-    optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+    optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation)
     lr_scheduler = build_lr_scheduler(optimizer, num_optimizer_steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
     horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
     options = EngineOptions(
@@ -276,8 +281,13 @@ class Trainer(ABC):
         )
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Finish the asynchronous work the trainer started: a background checkpoint write (and
+        its group), then TensorBoard's writer thread. The process groups outlive the trainer:
+        ``shutdown_distributed`` tears them down once nothing references it."""
+        try:
+            self.checkpointer.close()
+        finally:
+            self.metrics.close()
 
 
 class SFTTrainer(Trainer):
@@ -296,6 +306,7 @@ class SFTTrainer(Trainer):
             self.parallel_dims.batch_degree,
             vision=vision_data_config(job_config, self.model_args),
             balance_dp_compute=t.balance_dp_compute,
+            prefetch=t.dataset_prefetch,
         )
         self.checkpointer = self.build_checkpointer(self.dataloader)
         if self.checkpointer.load():
@@ -304,7 +315,9 @@ class SFTTrainer(Trainer):
     def load_data(self) -> None:
         t = self.job_config.training
         check_divisible_by_data_parallel("training.global_batch_size", t.global_batch_size, self.parallel_dims)
-        self.rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, self.job_config.debug.seed)
+        cache_dir = t.dataset_cache_dir or os.path.join(self.job_config.job.dump_folder, "dataset_cache")
+        self.rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, self.job_config.debug.seed,
+                              cache_dir=cache_dir, cache_timeout_s=t.dataset_cache_timeout_seconds)
 
     def train(self) -> None:
         log_freq = self.job_config.metrics.log_freq
@@ -338,4 +351,9 @@ class SFTTrainer(Trainer):
                 window_tokens = window_squared_lens = 0
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
-        self.metrics.close()
+
+    def close(self) -> None:
+        try:
+            self.dataloader.dataset.close()  # its prefetch thread
+        finally:
+            super().close()

@@ -24,7 +24,7 @@ from torchtitan_rl.distributed.context_parallel import (
     gather_from_cp_ranks,
 )
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.utils import init_distributed
+from torchtitan_rl.distributed.utils import init_distributed, shutdown_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.logprobs import token_loss
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
@@ -196,6 +196,25 @@ def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
         results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
 
 
+# (dp_replicate, dp_shard, cp, tp) layouts that also run with every block compiled. The
+# aot_eager backend (dynamo + AOT autograd, no code generation): inductor's kernels are checked
+# on one rank (tests/unit/test_compile.py), its compile would cost each rank ~30 s here.
+COMPILE_LAYOUTS = ((1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2))
+
+
+def run_compile(dims: ParallelDims, results: dict) -> None:
+    """The AC_CASE's gradients with every block compiled, under FSDP, TP, CP and FSDP x TP."""
+    layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    if layout not in COMPILE_LAYOUTS:
+        return
+    device = torch.device("cpu")
+    model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32, compile_backend="aot_eager")
+    _, mode_name, budget, variants, _ = AC_CASE
+    engine = Engine(model, None, None, dims, device, EngineOptions(mode_name, lc.HORIZON, budget, logits_chunk_size=16, max_norm=0.0))
+    engine.forward_backward(share(lc.global_batch(variants[0]), dims))
+    results["compile/rep{}_shard{}_cp{}_tp{}".format(*layout)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+
+
 def run_all_layouts(world_size: int) -> dict:
     results: dict = {}
     for dp_replicate, dp_shard, cp, tp in lc.layouts(world_size):
@@ -218,6 +237,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
+        run_compile(dims, results)  # on COMPILE_LAYOUTS only
     return results
 
 
@@ -226,8 +246,7 @@ def main(out_path: str) -> None:
     results = run_all_layouts(world_size)
     if rank == 0:
         torch.save(results, out_path)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_distributed(clean=True)  # not left to interpreter shutdown, where gloo threads can abort it
 
 
 if __name__ == "__main__":

@@ -220,7 +220,8 @@ BAD_INPUT = {
     "missing_dataset": (
         None, ["--training.dataset_path", "/nonexistent.jsonl"],
         ["training.dataset_path='/nonexistent.jsonl'", "does not exist"]),
-    "malformed_jsonl": (None, ["--training.dataset_path", "{malformed}"], ["malformed JSON", "{malformed}", "line 2"]),
+    # Two ranks: rank 1 waits for local rank 0 to prepare the file, and reports what it found.
+    "malformed_jsonl": (2, ["--training.dataset_path", "{malformed}"], ["malformed JSON", "{malformed}", "line 2"]),
     "context_parallel_not_dividing_world": (
         2, ["--parallelism.context_parallel_degree", "3"],
         ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"]),

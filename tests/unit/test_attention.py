@@ -7,8 +7,9 @@ from torchtitan_rl.models.attention import (
     packed_attention,
     resolve_attn_backend,
 )
+from torchtitan_rl.models.attention_buckets import CALL_COST
 
-CPU_BACKENDS = ["sdpa_dense", "sdpa_loop"]
+CPU_BACKENDS = ["sdpa_dense", "sdpa_varlen", "sdpa_loop"]
 LENGTHS = [5, 1, 9, 3, 1, 7]
 N_HEADS, N_KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -86,6 +87,90 @@ def test_sdpa_loop_matches_sdpa_dense():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def cp_share(lengths, cp, rank):
+    """A CP rank's zigzag queries and the keys of every rank in gathered order."""
+    layout = ZigzagLayout.build(lengths, cp)
+    kv_seq_ids = torch.cat([layout.seq_ids(r) for r in range(cp)])
+    kv_positions = torch.cat([layout.positions(r) for r in range(cp)])
+    return layout.seq_ids(rank), layout.positions(rank), kv_seq_ids, kv_positions
+
+
+def shuffled_keys(lengths, seed):
+    seq_ids, positions = pack(lengths)
+    perm = torch.randperm(seq_ids.numel(), generator=torch.Generator().manual_seed(seed))
+    return seq_ids, positions, seq_ids[perm], positions[perm]
+
+
+VARLEN_CASES = {
+    "mixed_with_length_1": (lambda: (*pack([5, 1, 9, 3, 1, 7]),) * 2, True),
+    "many_short_one_long": (lambda: (*pack([1, 2, 1, 3] * 6 + [70]),) * 2, True),
+    "two_buckets_in_row_order": (lambda: (*pack([70, 70, 2, 2]),) * 2, True),
+    "non_causal_mixed": (lambda: (*pack([5, 1, 9, 3, 1, 7]),) * 2, False),
+    "keys_shuffled": (lambda: shuffled_keys([5, 1, 9, 3, 1, 7], seed=21), True),
+    "non_causal_keys_shuffled": (lambda: shuffled_keys([6, 2, 6, 1], seed=22), False),
+    # As many keys as queries per document, but not the same positions: plain causal SDPA
+    # over slots would be wrong, the mask must come from the positions.
+    "keys_at_other_positions": (lambda: (*pack([5, 3]), pack([5, 3])[0], torch.tensor([0, 1, 2, 3, 5, 0, 2, 1])), True),
+    "cp2_share": (lambda: cp_share([30, 1, 17, 45], cp=2, rank=1), True),
+    "cp4_share_non_causal": (lambda: cp_share([30, 1, 17, 45], cp=4, rank=0), False),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES)
+def test_varlen_matches_sdpa_dense(case):
+    """sdpa_dense is the reference: its mask is the rule itself. fp64 so only the
+    grouping can differ, not the rounding; GQA (4 query heads on 2 KV heads) throughout."""
+    make, causal = VARLEN_CASES[case]
+    q_seq_ids, q_positions, kv_seq_ids, kv_positions = make()
+    q = random_qkv(q_seq_ids.numel(), dtype=torch.float64, seed=23)[0]
+    _, k, v = random_qkv(kv_seq_ids.numel(), dtype=torch.float64, seed=24)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(25), dtype=torch.float64)
+    results = {}
+    for backend in ("sdpa_varlen", "sdpa_dense"):
+        context = build_attention_context(backend, q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal=causal)
+        results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
+    (out, grads), (ref_out, ref_grads) = results["sdpa_varlen"], results["sdpa_dense"]
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+
+
+def varlen_work(plan):
+    return sum(b.count * b.q_len * b.kv_len for b in plan.buckets)
+
+
+def test_varlen_work_is_bounded_by_sum_of_squares():
+    """Padded work ≤ Σ q_lenᵢ·kv_lenᵢ + CALL_COST per document, whatever the mix of lengths,
+    also on a CP share (queries L/cp of each document, keys all L)."""
+    gen = torch.Generator().manual_seed(26)
+    lengths = (torch.randint(1, 40, (40,), generator=gen) ** 2 // 8 + 1).tolist()  # 1 .. ~190, skewed short
+    for q_seq_ids, q_positions, kv_seq_ids, kv_positions in (
+        (*pack(lengths),) * 2,
+        cp_share(lengths, cp=2, rank=0),
+    ):
+        plan = build_attention_context("sdpa_varlen", q_seq_ids, q_positions, kv_seq_ids, kv_positions).varlen
+        q_lens = torch.bincount(q_seq_ids).tolist()
+        kv_lens = torch.bincount(kv_seq_ids).tolist()
+        exact = sum(a * b for a, b in zip(q_lens, kv_lens))
+        assert exact <= varlen_work(plan) <= exact + CALL_COST * len(lengths)
+        assert sum(b.count for b in plan.buckets) == len(lengths)
+        dense = q_seq_ids.numel() * kv_seq_ids.numel()
+        assert varlen_work(plan) < dense / 4
+
+
+def test_varlen_needs_no_mask_for_whole_causal_documents():
+    """Without CP, padding at the end under is_causal is exact: no mask is built at all."""
+    plan = build_attention_context("sdpa_varlen", *pack([37, 36, 39, 1, 120, 118])).varlen
+    assert len(plan.buckets) < 6 and all(b.mask is None for b in plan.buckets)
+    assert build_attention_context("sdpa_varlen", *pack([4, 4]), causal=False).varlen.buckets[0].mask is None
+
+
+def test_varlen_rejects_queries_without_keys():
+    seq_ids, positions = pack([2, 3])
+    with pytest.raises(ValueError, match="sequence 1 have no keys"):
+        build_attention_context("sdpa_varlen", seq_ids, positions, seq_ids[:2], positions[:2])
+
+
 def test_dense_mask_is_the_rule():
     seq_ids, positions = pack([3, 1, 2])
     mask = build_attention_context("sdpa_dense", seq_ids, positions).dense_mask
@@ -149,10 +234,10 @@ def test_gradients_flow_to_permuted_keys(backend):
 
 
 def test_resolve_attn_backend():
-    assert resolve_attn_backend("auto", "cpu") == "sdpa_dense"
+    assert resolve_attn_backend("auto", "cpu") == "sdpa_varlen"
     assert resolve_attn_backend("auto", torch.device("cuda", 0)) == "flex"
     assert resolve_attn_backend("sdpa_loop", "cpu") == "sdpa_loop"
-    with pytest.raises(ValueError, match="sdpa_dense, sdpa_loop, flex"):
+    with pytest.raises(ValueError, match="sdpa_dense, sdpa_varlen, sdpa_loop, flex"):
         resolve_attn_backend("flash", "cpu")
     with pytest.raises(ValueError, match="needs CUDA"):
         resolve_attn_backend("flex", "cpu")
@@ -217,9 +302,11 @@ def test_flex_matches_sdpa_dense_on_cp_shares_on_cuda(cp):
 def test_masks_are_made_additive_once_per_forward(backend):
     """Every layer must share one float mask: SDPA keeps the one it gets for backward."""
     seq_ids, positions = pack(LENGTHS)
-    perm = torch.randperm(seq_ids.numel(), generator=torch.Generator().manual_seed(3))  # forces masks
-    context = build_attention_context(backend, seq_ids[perm], positions[perm])
+    perm = torch.randperm(seq_ids.numel(), generator=torch.Generator().manual_seed(3))
+    queries = perm[: seq_ids.numel() // 2]  # a query subset, as in CP: forces masks on every backend
+    context = build_attention_context(backend, seq_ids[queries], positions[queries], seq_ids[perm], positions[perm])
     q, k, v = random_qkv(seq_ids.numel(), seed=4)
+    q = q[queries]
     first = packed_attention(q, k, v, context)
     built = dict(context.additive_masks.by_key)
     second = packed_attention(q, k, v, context)  # the next layer

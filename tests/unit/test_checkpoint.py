@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -188,3 +189,32 @@ def test_initial_load_path_errors(tmp_path):
     manager, *_ = build(str(tmp_path), initial_load_path=str(tmp_path / "plain"))
     with pytest.raises(ValueError, match=f"not a checkpoint of this project: {DESCRIPTION_FILE} is missing"):
         manager.load()
+
+
+def test_async_wait_returns_after_the_checkpoint_is_marked_complete(tmp_path, monkeypatch):
+    manager, model, optimizer, scheduler, *_ = build(str(tmp_path), interval=1, async_mode="async")
+    train_steps(model, optimizer, scheduler, 1)
+    commit = CheckpointManager._commit
+
+    def slow_commit(self, partial, final, description):
+        # The write's future resolves before its callbacks run: a wait() on the write alone
+        # would return during this sleep, before the rename.
+        time.sleep(0.5)
+        commit(self, partial, final, description)
+
+    monkeypatch.setattr(CheckpointManager, "_commit", slow_commit)
+    manager.maybe_save(1, last=False)
+    manager.wait()
+    assert sorted(step_folders(str(tmp_path / "checkpoint"))) == [1]
+
+
+def test_async_commit_error_reaches_wait(tmp_path, monkeypatch):
+    manager, model, optimizer, scheduler, *_ = build(str(tmp_path), interval=1, async_mode="async")
+
+    def failing_commit(self, partial, final, description):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(CheckpointManager, "_commit", failing_commit)
+    manager.maybe_save(1, last=False)
+    with pytest.raises(OSError, match="disk full"):
+        manager.wait()

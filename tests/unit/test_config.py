@@ -526,7 +526,7 @@ def test_config_to_dict():
     assert d["training"]["steps"] == 9
     assert d["loss"]["horizon"] is None
     assert list(d) == [f.name for f in dataclasses.fields(JobConfig)]
-    assert set(d["optimizer"]) == {"name", "lr", "beta1", "beta2", "eps", "weight_decay"}
+    assert set(d["optimizer"]) == {"name", "lr", "beta1", "beta2", "eps", "weight_decay", "implementation"}
 
 
 def test_resolved_config_round_trip(tmp_path):

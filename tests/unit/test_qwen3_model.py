@@ -116,7 +116,7 @@ def test_rotary_uses_each_tokens_own_position():
     torch.testing.assert_close(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_loop"])
+@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_varlen", "sdpa_loop"])
 def test_packed_forward_matches_each_sequence_alone_in_hf(attn_backend):
     hf, ours = hf_and_ours(tie_embeddings=False, attn_backend=attn_backend)
     sequences = [random_tokens(n, ours.args.vocab_size, seed=10 + i) for i, n in enumerate(LENGTHS)]

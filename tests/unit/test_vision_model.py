@@ -105,7 +105,7 @@ def test_axial_rotary_matches_hf(grid):
     torch.testing.assert_close(apply_rotary(x, cos, sin), rotated, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_loop"])
+@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_varlen", "sdpa_loop"])
 def test_packed_images_match_hf(attn_backend):
     hf, ours = hf_and_ours(dataclasses.replace(ARGS, attn_backend=attn_backend))
     pixel_values = padded_pixels(IMAGE_SIZES, ARGS.num_channels, seed=3)

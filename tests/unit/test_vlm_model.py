@@ -139,7 +139,7 @@ def test_image_features_of_packed_images_match_hf():
     torch.testing.assert_close(ours_features, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_loop"])
+@pytest.mark.parametrize("attn_backend", ["sdpa_dense", "sdpa_varlen", "sdpa_loop"])
 def test_packed_logits_match_hf_per_sample(attn_backend):
     hf, ours = hf_and_ours(attn_backend=attn_backend)
     samples = make_samples(ours.args, seed=1)

@@ -67,10 +67,12 @@ class Model:
     """Directory with an HF ``tokenizer.json`` (and, for loading weights, ``config.json`` and
     safetensors). Empty uses the built-in byte tokenizer."""
 
-    attn_backend: Literal["auto", "sdpa_dense", "sdpa_loop", "flex"] = "auto"
-    """Document-causal attention kernel: sdpa_dense builds a dense boolean mask, sdpa_loop runs
-    SDPA once per packed sequence, flex uses flex_attention (no CPU backward). auto picks the
-    fastest one that works on the current device."""
+    attn_backend: Literal["auto", "sdpa_varlen", "sdpa_dense", "sdpa_loop", "flex"] = "auto"
+    """Document-causal attention kernel. sdpa_varlen batches packed sequences of similar length
+    into padded SDPA calls (work ∝ Σ len², also on a context-parallel share); sdpa_dense is one
+    SDPA under a dense [tokens, tokens] mask (the reference; work ∝ tokens²); sdpa_loop runs
+    SDPA once per packed sequence; flex uses flex_attention (CUDA only: no CPU backward). auto:
+    flex on CUDA, sdpa_varlen otherwise."""
 
 
 @dataclass
@@ -94,6 +96,11 @@ class Optimizer:
 
     weight_decay: float = bounded(0.1, ge=0)
     """Decoupled (AdamW) weight decay."""
+
+    implementation: Literal["auto", "fused", "foreach"] = "auto"
+    """AdamW kernel: fused (one kernel per parameter group; measured several times faster than
+    foreach on CPU and equal to it up to float rounding, docs/benchmarks.md) or foreach
+    (multi-tensor ops). auto picks fused."""
 
 
 @dataclass
@@ -157,6 +164,20 @@ class Training:
     dataset_split: str = "train"
     """Split to read from the dataset."""
 
+    dataset_cache_dir: str = ""
+    """Folder where dataset_path's files are prepared, once per node by local rank 0, into
+    memory-mapped Arrow files that every rank of the node shares (page cache) instead of
+    holding a copy each. Named after the files' paths, sizes and modification times: a later
+    run on the same files re-uses them, an edited file is prepared again; delete the folder's
+    files to reclaim the space. Empty: <job.dump_folder>/dataset_cache."""
+
+    dataset_cache_timeout_seconds: int = bounded(3600, gt=0)
+    """How long the other ranks of a node wait for local rank 0 to prepare dataset_path's files."""
+
+    dataset_prefetch: bool = True
+    """Plan and tokenize the next step's mini-batch (and decode its images) in a background
+    thread while the current step trains. The batches are the same either way."""
+
     num_synthetic_samples: int = bounded(20000, gt=0)
     """Number of samples a built-in synthetic task generates."""
 
@@ -207,6 +228,23 @@ class ActivationCheckpoint:
 
     selective_every: int = bounded(2, ge=1)
     """selective: checkpoint blocks 0, k, 2k, ... for k = this value."""
+
+
+@dataclass
+class Compile:
+    """torch.compile of each transformer block (the language model's and a vision tower's),
+    with dynamic shapes in the packed token count, so micro-batches of new lengths reuse the
+    compiled graphs (each compiles at most twice: for a first length, then dynamic). Attention and MoE experts run eagerly between the compiled parts; the
+    embedding, final norm, output head and loss are not compiled. Parameter names and
+    checkpoints are the same with or without it, results equal up to float rounding. Composes
+    with FSDP, tensor and context parallel and activation checkpointing."""
+
+    enable: bool = False
+    """Compile every transformer block's forward (and with it its backward)."""
+
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile backend: inductor generates fused kernels (C++ on CPU, Triton on CUDA);
+    aot_eager and eager only trace the graphs (for debugging a compile problem)."""
 
 
 @dataclass
@@ -521,6 +559,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     loss: Loss = field(default_factory=Loss)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
     moe: MoE = field(default_factory=MoE)
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)

@@ -22,7 +22,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.config.job_config import RL, Checkpoint, Generation, JobConfig, MoE, Training
+from torchtitan_rl.config.job_config import RL, Checkpoint, Compile, Generation, JobConfig, MoE, Training
 
 _CONFIG_FILE_KEY = "job.config_file"
 _TRUE = ("true", "1", "yes")
@@ -195,6 +195,7 @@ def _check_job_config(cfg: JobConfig) -> None:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
     _check_profiling(cfg)
     _check_checkpoint(cfg)
+    _check_compile(cfg)
     _check_recipe(cfg)
     # Imported here: torch and the model package are heavy and not needed to parse a command line.
     from torchtitan_rl.losses.loss_fns import loss_fn_from_config
@@ -305,7 +306,10 @@ def _check_profiling(cfg: JobConfig) -> None:
 # Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
 RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 # SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
-_SFT_DATA_KEYS = ("dataset", "dataset_path", "global_batch_size", "balance_dp_compute")
+_SFT_DATA_KEYS = (
+    "dataset", "dataset_path", "global_batch_size", "balance_dp_compute", "dataset_cache_dir",
+    "dataset_cache_timeout_seconds", "dataset_prefetch",
+)
 
 
 def _non_default(section, defaults) -> list[str]:
@@ -360,6 +364,12 @@ def _check_recipe(cfg: JobConfig) -> None:
         raise ValueError(
             f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
         )
+
+
+def _check_compile(cfg: JobConfig) -> None:
+    if not cfg.compile.enable and cfg.compile.backend != Compile().backend:
+        # Fail closed, like checkpoint.*: a backend for a run that compiles nothing is a forgotten enable.
+        raise ValueError("compile.backend: only used with compile.enable = true")
 
 
 def _check_checkpoint(cfg: JobConfig) -> None:

@@ -4,8 +4,13 @@ JSON / JSONL files are read by ``data.rows`` (rows keep their file and line; rel
 paths resolve against the row's file); parquet files and hub datasets go through ``datasets``.
 Nothing is ever downloaded: offline mode is forced before ``datasets`` is imported, so a name
 that is not in the local HF cache is an error rather than a silent network access.
+
+With a cache directory, local files are prepared once per node into memory-mapped Arrow
+files (``data.row_cache``), so the ranks of a node share one copy in the page cache instead
+of holding one each; without one, each process prepares its own copy in memory.
 """
 
+import bisect
 import os
 import tempfile
 from collections.abc import Sequence
@@ -16,9 +21,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import datasets  # noqa: E402  (must see the offline switches above at import time)
+import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from torchtitan_rl.data.rows import read_json_files  # noqa: E402
+from torchtitan_rl.data.row_cache import cache_name, prepare_once  # noqa: E402
+from torchtitan_rl.data.rows import FORMAT_VERSION, FileRows, SourcedRows, read_json_files, write_json_rows  # noqa: E402
 from torchtitan_rl.data.tasks import BUILTIN_TASKS  # noqa: E402
 
 # Extension → format family; the files of one dataset must share it.
@@ -42,29 +49,85 @@ def _data_files(dataset_path: str) -> list[Path]:
     return files
 
 
-def _load_parquet(files: list[Path]) -> datasets.Dataset:
-    empty = [str(f) for f in files if pq.ParquetFile(f).metadata.num_rows == 0]
+class ParquetRows(SourcedRows):
+    """The rows of parquet files (a ``datasets.Dataset``), naming each row's file and its row in it."""
+
+    def __init__(self, dataset: datasets.Dataset, files: list[str], file_row_counts: list[int]):
+        assert len(dataset) == sum(file_row_counts)
+        self._dataset = dataset
+        self._files = files
+        self._file_starts = [sum(file_row_counts[:i]) for i in range(len(files))]
+
+    def __len__(self) -> int:
+        return len(self._dataset)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._dataset[index]
+
+    def source_of(self, index: int) -> str:
+        file_index = bisect.bisect_right(self._file_starts, index) - 1
+        return f"{self._files[file_index]} row {index - self._file_starts[file_index]}"
+
+    def base_dir(self, index: int) -> None:
+        return None  # as ``datasets`` rows always had: relative image paths are relative to the working directory
+
+
+def _parquet_dataset(files: list[Path], cache_dir: str, keep_in_memory: bool) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(
+            "parquet", data_files=[str(f) for f in files], split="train", keep_in_memory=keep_in_memory,
+            cache_dir=cache_dir,
+        )
+    except Exception as err:  # noqa: BLE001  (re-raised with the files, as datasets' errors do not name them)
+        cause = f"{err}: {err.__cause__}" if err.__cause__ is not None else str(err)
+        raise ValueError(f"could not load dataset files {[str(f) for f in files]}: {cause}") from err
+
+
+def _load_parquet(files: list[Path], cache_dir: str | None, timeout_s: float) -> ParquetRows:
+    counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    empty = [str(f) for f, count in zip(files, counts) if count == 0]
     if empty:
         raise ValueError(f"dataset file {empty[0]!r} is empty (no rows); remove it or fill it")
-    # A private cache dir per call: concurrent ranks loading the same files never share (or race on)
-    # datasets' on-disk arrow cache, and keep_in_memory means nothing is read from it afterwards.
-    with tempfile.TemporaryDirectory(prefix="torchtitan_rl_data_") as cache_dir:
-        try:
-            return datasets.load_dataset(
-                "parquet", data_files=[str(f) for f in files], split="train", keep_in_memory=True, cache_dir=cache_dir
-            )
-        except Exception as err:  # noqa: BLE001  (re-raised with the files, as datasets' errors do not name them)
-            cause = f"{err}: {err.__cause__}" if err.__cause__ is not None else str(err)
-            raise ValueError(f"could not load dataset files {[str(f) for f in files]}: {cause}") from err
+    if cache_dir is None:
+        # A private cache dir per call: concurrent loads never share (or race on) datasets' on-disk
+        # arrow cache, and keep_in_memory means nothing is read from it afterwards.
+        with tempfile.TemporaryDirectory(prefix="torchtitan_rl_data_") as private_dir:
+            dataset = _parquet_dataset(files, private_dir, keep_in_memory=True)
+    else:
+        # datasets converts the files into memory-mapped Arrow files in a folder of its own under
+        # our name (so an edited file gets a fresh one); the marker file says the folder is complete.
+        name = cache_name("parquet", files, FORMAT_VERSION)
+        hf_cache = os.path.join(cache_dir, name)
+
+        def prepare(marker: str) -> None:
+            _parquet_dataset(files, hf_cache, keep_in_memory=False)
+            Path(marker).touch()
+
+        prepare_once(cache_dir, name + ".done", prepare, timeout_s)
+        dataset = _parquet_dataset(files, hf_cache, keep_in_memory=False)
+    return ParquetRows(dataset, [str(f) for f in files], counts)
 
 
-def _load_files(dataset_path: str) -> Sequence[dict[str, Any]]:
+def _load_json(files: list[Path], cache_dir: str | None, timeout_s: float) -> FileRows:
+    if cache_dir is None:
+        return read_json_files(files)
+    path = prepare_once(cache_dir, cache_name("json", files, FORMAT_VERSION) + ".arrow",
+                        lambda sink: write_json_rows(files, sink), timeout_s)
+    try:
+        # Zero-copy: the table's buffers are the mapped file's pages, shared by every process mapping it.
+        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+    except pa.ArrowInvalid as err:
+        raise ValueError(f"the prepared dataset file {path} is damaged ({err}); delete it to prepare it again") from err
+    return FileRows(table, [str(f) for f in files])
+
+
+def _load_files(dataset_path: str, cache_dir: str | None, timeout_s: float) -> Sequence[dict[str, Any]]:
     files = _data_files(dataset_path)
     if files[0].suffix == ".parquet":
-        return _load_parquet(files)
+        return _load_parquet(files, cache_dir, timeout_s)
     # JSON goes through our reader: it keeps each row's file and line (errors, image paths) and
-    # accepts columns whose type varies between rows, which Arrow cannot.
-    return read_json_files(files)
+    # accepts columns whose type varies between rows, which Arrow columns cannot.
+    return _load_json(files, cache_dir, timeout_s)
 
 
 def _load_hub(name: str, split: str) -> datasets.Dataset:
@@ -79,16 +142,25 @@ def _load_hub(name: str, split: str) -> datasets.Dataset:
 
 
 def load_rows(
-    dataset: str, dataset_path: str, split: str, num_synthetic_samples: int, seed: int
+    dataset: str,
+    dataset_path: str,
+    split: str,
+    num_synthetic_samples: int,
+    seed: int,
+    cache_dir: str | None = None,
+    cache_timeout_s: float = 3600,
 ) -> Sequence[dict[str, Any]]:
-    """The rows of the training set, indexable by position (``data.rows.FileRows`` for JSON files).
+    """The rows of the training set, indexable by position (``data.rows.FileRows`` for JSON
+    files, ``ParquetRows`` for parquet files).
 
     ``dataset_path`` (a file or a directory of files, all one split) wins over ``dataset``,
     which names a built-in task (``num_synthetic_samples`` rows from ``seed``) or a cached
-    hub dataset (its ``split``).
+    hub dataset (its ``split``). Files are prepared into ``cache_dir`` once per node
+    (``data.row_cache``; other local ranks wait up to ``cache_timeout_s``), or into this
+    process's memory when it is None.
     """
     if dataset_path:
-        rows = _load_files(dataset_path)
+        rows = _load_files(dataset_path, cache_dir, cache_timeout_s)
         source = f"training.dataset_path={dataset_path!r}"
     elif dataset in BUILTIN_TASKS:
         rows = BUILTIN_TASKS[dataset](num_synthetic_samples, seed)

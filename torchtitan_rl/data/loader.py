@@ -4,11 +4,17 @@ All ranks walk the same global sample stream and tokenize every sample of each g
 mini-batch, so the mini-batch (and which samples are dropped) does not depend on the number
 of data-parallel ranks; that is what makes global loss normalization layout-independent.
 Images are sized from their headers for every sample (their placeholders count as tokens)
-but decoded only for the rank's own share (``data.vision_samples``).
+but decoded only for the rank's own share (``data.vision_samples``). With ``prefetch`` that
+work for the next step runs in a background thread while the current step trains.
 """
 
+import atexit
 import logging
+import threading
+import time
+import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +37,52 @@ _COUNTERS = ("num_samples", "num_truncated", "num_dropped", "num_too_short", "nu
 _VISION_COUNTERS = ("num_images", "num_dropped_image_cut")
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """A step's samples for this rank and the loader's state and statistics right after them."""
+
+    samples: list[Sample]
+    state: dict[str, Any]
+    balance_stats: dict[str, float]
+
+
+class _Prefetch:
+    """One call of ``produce`` running in a daemon thread; ``result`` waits for it and returns
+    its value or raises its exception (with its message and the thread's traceback)."""
+
+    def __init__(self, produce):
+        self._value = self._error = None
+        self._thread = threading.Thread(target=self._run, args=(produce,), name="sft-data-prefetch", daemon=True)
+        _RUNNING.add(self)
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        time.sleep(0)  # hands the GIL back at once, so ``start`` returns without a switch interval's wait
+        try:
+            self._value = produce()
+        except BaseException as err:  # noqa: BLE001  (handed to the thread that wants the batch)
+            self._error = err
+        finally:
+            _RUNNING.discard(self)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    def result(self) -> _Batch:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+# Prefetches in flight, joined at exit in case the loader's owner never called ``close``: a daemon
+# thread still inside torch when the interpreter tears down can abort the process. The timeout
+# keeps a thread stuck for good (e.g. on a hung file system) from hanging the exit instead.
+_EXIT_JOIN_TIMEOUT_S = 60
+_RUNNING: "weakref.WeakSet[_Prefetch]" = weakref.WeakSet()
+atexit.register(lambda: [prefetch.join(_EXIT_JOIN_TIMEOUT_S) for prefetch in list(_RUNNING)])
+
+
 class SFTDataLoader(IterableDataset):
     """Infinite iterator over this rank's ``list[Sample]`` share of successive global mini-batches.
 
@@ -45,6 +97,12 @@ class SFTDataLoader(IterableDataset):
     images and no ``vision`` is an error. Under the truncate policy a too-long sample is cut
     only when the cut falls after its last image placeholder; otherwise it is dropped and
     counted in ``num_dropped_image_cut``.
+
+    ``prefetch`` computes each next mini-batch in a background thread as soon as the current
+    one is taken, so planning, tokenization and image decoding overlap the training step. The
+    batches are the same; ``state_dict`` and the statistics describe the batches taken, not
+    the one being prepared, and an error of the background work is raised by the ``next``
+    that wanted its batch. ``close`` waits for the background work.
     """
 
     def __init__(
@@ -59,6 +117,7 @@ class SFTDataLoader(IterableDataset):
         batch_degree: int,
         vision: VisionDataConfig | None = None,
         balance_dp_compute: bool = False,
+        prefetch: bool = False,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -96,6 +155,12 @@ class SFTDataLoader(IterableDataset):
         self._counters = dict.fromkeys(self._counter_names, 0)
         self._order = self._epoch_order()
         self._warned_no_loss_tokens = False
+        self.prefetch = prefetch
+        self._prefetch: _Prefetch | None = None
+        # What the caller sees: the state and statistics after the last batch it took (the
+        # fields above run ahead while the next batch is prepared).
+        self._taken_state = self._live_state()
+        self._taken_balance_stats: dict[str, float] = {}
 
     def _epoch_order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + self._epoch)
@@ -106,7 +171,7 @@ class SFTDataLoader(IterableDataset):
         if self._num_usable_in_epoch == 0:
             raise ValueError(
                 f"no usable sample in the whole dataset of {len(self.rows)} rows "
-                f"(seq_len={self.seq_len}, long-sample policy {self.long_sample_policy!r}): {self.stats()}"
+                f"(seq_len={self.seq_len}, long-sample policy {self.long_sample_policy!r}): {self._counters}"
             )
         self._epoch += 1
         self._position = 0
@@ -156,6 +221,24 @@ class SFTDataLoader(IterableDataset):
         return self
 
     def __next__(self) -> list[Sample]:
+        if self._prefetch is None:
+            batch = self._produce()
+        else:
+            prefetch, self._prefetch = self._prefetch, None
+            batch = prefetch.result()
+        self._taken_state, self._taken_balance_stats = batch.state, batch.balance_stats
+        if self.prefetch:
+            self._prefetch = _Prefetch(self._produce)
+        return batch.samples
+
+    def close(self) -> None:
+        """Wait for the mini-batch being prepared in the background, if any, and drop it."""
+        if self._prefetch is not None:
+            self._prefetch.join()
+            self._prefetch = None
+
+    def _produce(self) -> _Batch:
+        """The next mini-batch: this rank's samples, with the state and statistics after it."""
         global_batch = [self._next_usable() for _ in range(self.global_batch_size)]
         if not self._warned_no_loss_tokens and not any(any(p.target_mask[1:]) for p in global_batch):
             self._warned_no_loss_tokens = True
@@ -163,11 +246,12 @@ class SFTDataLoader(IterableDataset):
                 "a global mini-batch of %d samples has no loss tokens at all (e.g. prompts truncated "
                 "away their answers); such steps do not train. Counters so far: %s",
                 self.global_batch_size,
-                self.stats(),
+                self._counters,
             )
         mine = self._assign(global_batch)[self.batch_rank]
         # Pixels only for this rank's share: decoding is the expensive part of an image.
-        return [build_sample(global_batch[i], self.vision) for i in mine]
+        samples = [build_sample(global_batch[i], self.vision) for i in mine]
+        return _Batch(samples, self._live_state(), dict(self._balance_stats))
 
     def _assign(self, global_batch: list[PlannedSample]) -> list[list[int]]:
         """Per DP rank, the global-batch indices it trains; records both splits' imbalance."""
@@ -186,7 +270,7 @@ class SFTDataLoader(IterableDataset):
         """The last mini-batch's slowest-rank cost over the mean rank cost (``data.balance``
         cost model; 1.0 is perfect): ``dp_cost_imbalance`` of the split used, and of the
         contiguous and the balanced split (whichever is in use). Identical on every rank."""
-        return dict(self._balance_stats)
+        return dict(self._taken_balance_stats)
 
     def stats(self) -> dict[str, int]:
         """Global counters (identical on every rank) over all samples visited so far.
@@ -195,9 +279,9 @@ class SFTDataLoader(IterableDataset):
         (fewer than 2 tokens), num_without_loss_tokens (kept, zero weight); with ``vision``
         also num_images and num_dropped_image_cut (see the class docstring).
         """
-        return dict(self._counters)
+        return {name: self._taken_state[name] for name in self._counter_names}
 
-    def state_dict(self) -> dict[str, Any]:
+    def _live_state(self) -> dict[str, Any]:
         # Rank-independent, so a resume may even use a different DP degree.
         return {
             "epoch": self._epoch,
@@ -206,7 +290,11 @@ class SFTDataLoader(IterableDataset):
             **self._counters,
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._taken_state)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.close()  # a batch prepared from the old position is not the next one any more
         self._epoch = state_dict["epoch"]
         self._position = state_dict["position"]
         self._num_usable_in_epoch = state_dict["num_usable_in_epoch"]
@@ -215,6 +303,7 @@ class SFTDataLoader(IterableDataset):
             name: state_dict[name] if name in _COUNTERS else state_dict.get(name, 0) for name in self._counter_names
         }
         self._order = self._epoch_order()
+        self._taken_state = self._live_state()
 
 
 def _keep_samples(batch: list[Sample]) -> list[Sample]:
@@ -233,10 +322,12 @@ def build_sft_dataloader(
     batch_degree: int,
     vision: VisionDataConfig | None = None,
     balance_dp_compute: bool = False,
+    prefetch: bool = False,
 ) -> StatefulDataLoader:
-    """A checkpointable loader whose ``state_dict`` carries the exact stream position (see ``SFTDataLoader``)."""
+    """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
+    ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
     dataset = SFTDataLoader(
         rows, tokenizer, seq_len, global_batch_size, long_sample_policy, seed, batch_rank, batch_degree,
-        vision=vision, balance_dp_compute=balance_dp_compute,
+        vision=vision, balance_dp_compute=balance_dp_compute, prefetch=prefetch,
     )
     return StatefulDataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_keep_samples)

@@ -10,7 +10,14 @@ Queries and keys are described separately, ``(q_seq_ids, q_positions)`` of lengt
 ``(kv_seq_ids, kv_positions)`` of length S, so that context parallel can attend local queries
 to K/V gathered from other ranks. The rule only looks at ids and positions, never at token
 order, so keys may come in any order. Every query must see at least one key (true whenever
-the keys include the query's own token); a query with none gets NaN, as in SDPA.
+the keys include the query's own token); a query with none has no defined output.
+
+Backends: ``sdpa_dense`` is one SDPA call under the dense ``[T, S]`` mask: the rule written
+out, and the reference every other backend is tested against, but O(T·S) work.
+``sdpa_varlen`` (the CPU default; planned in ``attention_buckets.py``) attends each document's
+queries to that document's keys only, documents of similar length batched into one padded
+SDPA call, so its work is ∝ Σ Lᵢ² (Σ Lᵢ²/cp on a context-parallel share). ``sdpa_loop``
+calls SDPA once per document. ``flex`` (CUDA) runs flex_attention under a block mask.
 
 The mask data depends only on the micro-batch, so it is built once per forward into an
 ``AttentionContext`` and shared by every layer.
@@ -24,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-ATTN_BACKENDS = ("sdpa_dense", "sdpa_loop", "flex")
+from torchtitan_rl.models.attention_buckets import VarlenPlan, plan_varlen
+
+ATTN_BACKENDS = ("sdpa_dense", "sdpa_varlen", "sdpa_loop", "flex")
 ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
 
 
@@ -36,11 +45,11 @@ def resolve_attn_backend(name: str, device: torch.device | str) -> str:
         )
     device_type = torch.device(device).type
     if name == "auto":
-        return "flex" if device_type == "cuda" else "sdpa_dense"
+        return "flex" if device_type == "cuda" else "sdpa_varlen"
     if name == "flex" and device_type != "cuda":
         raise ValueError(
             f"attention backend 'flex' needs CUDA (flex_attention has no backward on "
-            f"{device_type}); use 'sdpa_dense' or 'sdpa_loop'"
+            f"{device_type}); use 'sdpa_varlen', 'sdpa_dense' or 'sdpa_loop'"
         )
     return name
 
@@ -75,6 +84,7 @@ class AttentionContext:
 
     backend: str
     dense_mask: torch.Tensor | None = None  # sdpa_dense: [T, S] bool
+    varlen: VarlenPlan | None = None  # sdpa_varlen: documents in padded SDPA batches
     documents: tuple[DocumentSlice, ...] | None = None  # sdpa_loop
     # sdpa_loop: maps the concatenated per-document outputs back to query order; None when
     # the documents already cover the queries in order.
@@ -128,6 +138,10 @@ def build_attention_context(
             dense_mask=_dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal),
             causal=causal,
         )
+    if backend == "sdpa_varlen":
+        return AttentionContext(
+            backend, varlen=plan_varlen(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal), causal=causal
+        )
     if backend == "sdpa_loop":
         documents, inverse_order = _document_slices(
             q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal
@@ -142,6 +156,7 @@ def build_attention_context(
     )
 
 
+@torch.compiler.disable  # per-forward mask data: compiled blocks break here, see distributed/compile.py
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
 ) -> torch.Tensor:
@@ -163,6 +178,8 @@ def packed_attention(
     if context.gather_kv is not None:
         # One collective for both: K and V share their token layout.
         k, v = context.gather_kv(torch.cat((k, v), dim=-1)).chunk(2, dim=-1)
+    if context.backend == "sdpa_varlen":
+        return _varlen_attention(q, k, v, context, scale)
     if context.backend == "sdpa_dense":
         return _sdpa(q, k, v, _additive_mask(context, context.dense_mask, q.dtype), scale, context.causal)
     if context.backend == "sdpa_loop":
@@ -191,6 +208,33 @@ def packed_attention(
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
+
+
+def _varlen_attention(q, k, v, context: AttentionContext, scale: float) -> torch.Tensor:
+    outputs = []
+    for bucket in context.varlen.buckets:
+        q_batch = _batch(q, bucket.q_index, bucket.q_start, bucket.count, bucket.q_len)
+        k_batch, v_batch = (_batch(x, bucket.kv_index, bucket.kv_start, bucket.count, bucket.kv_len) for x in (k, v))
+        out = F.scaled_dot_product_attention(
+            q_batch,
+            k_batch,
+            v_batch,
+            attn_mask=_additive_mask(context, bucket.mask, q.dtype),
+            is_causal=context.causal and bucket.mask is None,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        outputs.append(out.transpose(1, 2).flatten(0, 1))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+    if context.varlen.query_slots is None:
+        return out
+    return out.index_select(0, context.varlen.query_slots)
+
+
+def _batch(x: torch.Tensor, index: torch.Tensor, start: int | None, count: int, length: int) -> torch.Tensor:
+    """Rows ``index`` of ``x [N, heads, head_dim]`` as ``[count, heads, length, head_dim]``."""
+    rows = x.narrow(0, start, count * length) if start is not None else x.index_select(0, index)
+    return rows.unflatten(0, (count, length)).transpose(1, 2)
 
 
 def _dense_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True) -> torch.Tensor:

@@ -127,7 +127,9 @@ class GRPOTrainer(Trainer):
         a policy that earns rewards sometimes."""
         cfg = self.job_config
         rl, o, t = cfg.rl, cfg.optimizer, cfg.training
-        optimizer = build_optimizer(self.engine.model, rl.sft_warmup_lr, o.beta1, o.beta2, o.eps, o.weight_decay)
+        optimizer = build_optimizer(
+            self.engine.model, rl.sft_warmup_lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation
+        )
         scheduler = build_lr_scheduler(optimizer, rl.sft_warmup_steps, 0, "linear", 0.1)
         options = dataclasses.replace(self.engine.options, reduction="token_mean", temperature=1.0)
         engine = Engine(self.engine.model, optimizer, scheduler, self.parallel_dims, self.device, options,
@@ -173,7 +175,6 @@ class GRPOTrainer(Trainer):
             self.metrics.emit(step, values, values.pop("tokens/trained"), 0.0, values["time/step_s"], {})
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
-        self.metrics.close()
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.job_config

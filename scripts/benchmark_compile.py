@@ -1,0 +1,107 @@
+"""Per-block torch.compile (inductor) on CPU, measured: compile cost, step time, recompiles.
+
+    .venv/bin/python scripts/benchmark_compile.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_compile.py --no-write # print only
+
+One process, float32. For each model: ``Engine.forward_backward`` + ``optim_step`` on
+mini-batches of documents of random lengths packed into micro-batches of at most ``budget``
+tokens (so every micro-batch has its own length), eager and with ``compile.enable``
+(``build_model(compile_backend=...)``), alternating for ``--repeats`` steps after the first
+(which compiles). Reports the first step's time, the median of the others, and how many
+graphs inductor compiled in all steps (counted around the backend).
+"""
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmark_docs import publish  # noqa: E402
+from torchtitan_rl.data.sample import Sample  # noqa: E402
+from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
+from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer  # noqa: E402
+from torchtitan_rl.trainer import build_model  # noqa: E402
+
+
+def minibatch(vocab: int, num_docs: int, max_len: int, seed: int) -> list[Sample]:
+    gen = torch.Generator().manual_seed(seed)
+    samples = []
+    for n in torch.randint(max_len // 4, max_len + 1, (num_docs,), generator=gen).tolist():
+        ids = torch.randint(0, vocab, (n + 1,), generator=gen)
+        samples.append(Sample(input_ids=ids[:-1], labels=ids[1:], loss_mask=torch.ones(n, dtype=torch.bool)))
+    return samples
+
+
+def measure(name: str, model_args, num_docs: int, max_len: int, budget: int, repeats: int) -> dict:
+    dims = ParallelDims(1, 1, 1, 1, world_size=1)
+    dims.build_meshes("cpu")
+    device = torch.device("cpu")
+    counter = CompileCounterWithBackend("inductor")
+    engines = {}
+    for variant, backend in (("eager", None), ("compiled", counter)):
+        model = build_model(model_args, dims, device, 0, torch.float32, compile_backend=backend)
+        optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
+        scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
+        engines[variant] = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", 1, budget, 1024, 1.0))
+    first, times = {}, {variant: [] for variant in engines}
+    for step in range(repeats + 1):
+        batch = minibatch(model_args.vocab_size, num_docs, max_len, seed=step)
+        for variant in engines if step % 2 == 0 else reversed(list(engines)):
+            start = time.perf_counter()
+            engines[variant].forward_backward(batch)
+            engines[variant].optim_step()
+            elapsed = time.perf_counter() - start
+            if step == 0:
+                first[variant] = elapsed
+            else:
+                times[variant].append(elapsed)
+    median = {variant: statistics.median(values) for variant, values in times.items()}
+    return {"name": name, "first": first, "median": median, "graphs": counter.frame_count, "steps": repeats + 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    debug = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend="sdpa_loop")
+    wide = dataclasses.replace(qwen3_flavors["0.6B"], n_layers=2, vocab_size=4096, attn_backend="sdpa_loop")
+    cases = [
+        ("debugmodel; 32 documents of 32-128 tokens, micro-batches of <= 512", debug, 32, 128, 512),
+        ("2 layers of 0.6B's width, vocab 4096; 8 documents of 128-512 tokens, micro-batches of <= 1024",
+         wide, 8, 512, 1024),
+    ]
+    results = [measure(name, model_args, docs, max_len, budget, args.repeats) for name, model_args, docs, max_len, budget in cases]
+    shown = "python scripts/benchmark_compile.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
+    lines = [
+        f"## Per-block torch.compile (inductor) on CPU ({datetime.date.today()})",
+        "",
+        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        "shared with other jobs (medians of alternating steps).",
+        "",
+        "One process, float32, `Engine.forward_backward` + `optim_step`; every step is a new mini-batch, so "
+        "micro-batch lengths differ throughout. First step: eager vs compiling; graphs: how many inductor compiled "
+        "over all steps (no recompile per micro-batch length):",
+        "",
+        "| model and data | first step: eager / compiled | step time: eager | step time: compiled | graphs compiled (steps) |",
+        "|---|---|---|---|---|",
+        *(f"| {r['name']} | {r['first']['eager']:.1f} s / {r['first']['compiled']:.1f} s "
+          f"| {r['median']['eager'] * 1e3:.0f} ms | {r['median']['compiled'] * 1e3:.0f} ms "
+          f"({r['median']['eager'] / r['median']['compiled']:.2f}x speed) | {r['graphs']} ({r['steps']}) |" for r in results),
+    ]
+    publish(lines, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()

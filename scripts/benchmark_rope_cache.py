@@ -1,0 +1,124 @@
+"""Would caching the RoPE cos/sin tables help? Measured on CPU before deciding.
+
+    .venv/bin/python scripts/benchmark_rope_cache.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_rope_cache.py --no-write # print only
+
+The Qwen3 model computes its rotary tables from the per-token positions once per forward
+(``rotary_cos_sin``), shared by every layer. The alternative is a table over positions
+``0 .. max_seq_len - 1`` computed once and gathered by position each forward. For each model
+(the debug model, and one layer of Qwen3-0.6B's width) on one packed micro-batch of
+``--docs`` documents: the time of the table computation alone and of the gather alone, and
+forward + backward of the model with either, alternating for ``--repeats`` rounds (medians).
+Also checks that both give the same tables bit for bit.
+"""
+
+import argparse
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmark_docs import publish  # noqa: E402
+import torchtitan_rl.models.qwen3.model as qwen3_model  # noqa: E402
+from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
+
+RECOMPUTE = qwen3_model.rotary_cos_sin
+
+
+def cached_rotary(max_seq_len: int):
+    """``rotary_cos_sin`` by lookup in tables of every position, made on first use."""
+    tables = {}
+
+    def rotary(positions, head_dim, theta, dtype):
+        key = (head_dim, theta, dtype, positions.device)
+        if key not in tables:
+            tables[key] = RECOMPUTE(torch.arange(max_seq_len, device=positions.device), head_dim, theta, dtype)
+        cos, sin = tables[key]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
+
+    return rotary
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(name: str, model_args, num_tokens: int, docs: int, repeats: int) -> dict:
+    torch.manual_seed(0)
+    model = qwen3_model.Qwen3Model(model_args)
+    model.init_weights(0)
+    lens = [num_tokens // docs] * docs
+    positions = torch.cat([torch.arange(n) for n in lens])
+    seq_ids = torch.repeat_interleave(torch.arange(docs), torch.tensor(lens))
+    tokens = torch.randint(0, model_args.vocab_size, (num_tokens,))
+    variants = {"recompute": RECOMPUTE, "cached": cached_rotary(model_args.max_seq_len)}
+    args = (positions, model_args.head_dim, model_args.rope_theta, torch.float32)
+    expected = RECOMPUTE(*args)
+    got = variants["cached"](*args)
+    exact = all(torch.equal(a, b) for a, b in zip(got, expected))
+    table_time = {v: median_time(lambda fn=fn: fn(*args), 20 * repeats) for v, fn in variants.items()}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(tokens, positions, seq_ids).square().mean().backward()
+
+    step_times = {v: [] for v in variants}
+    for round_ in range(repeats + 1):
+        for v in variants if round_ % 2 == 0 else reversed(list(variants)):
+            qwen3_model.rotary_cos_sin = variants[v]
+            start = time.perf_counter()
+            step()
+            if round_ > 0:  # the first round warms up (and fills the cache)
+                step_times[v].append(time.perf_counter() - start)
+    qwen3_model.rotary_cos_sin = RECOMPUTE
+    return {
+        "name": name, "tokens": num_tokens, "exact": exact, "table": table_time,
+        "step": {v: statistics.median(t) for v, t in step_times.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    debug = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend="sdpa_loop")
+    layer = dataclasses.replace(qwen3_flavors["0.6B"], n_layers=1, vocab_size=4096, attn_backend="sdpa_loop")
+    results = [
+        measure("debugmodel", debug, 2048, args.docs, args.repeats),
+        measure("one layer of 0.6B's width (vocab 4096)", layer, 4096, args.docs, args.repeats),
+    ]
+    shown = "python scripts/benchmark_rope_cache.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
+    lines = [
+        f"## RoPE cos/sin: recomputed per forward vs cached table on CPU ({datetime.date.today()})",
+        "",
+        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
+        "shared with other jobs (medians of alternating rounds).",
+        "",
+        f"One process, float32, one packed micro-batch of {args.docs} equal documents; the tables alone (computed "
+        "from the positions, or gathered from a table of every position) and a forward + backward of the model:",
+        "",
+        "| model | tokens | tables: recompute | tables: cached | fwd+bwd: recompute | fwd+bwd: cached | equal bit for bit |",
+        "|---|---|---|---|---|---|---|",
+        *(f"| {r['name']} | {r['tokens']} | {r['table']['recompute'] * 1e3:.2f} ms | {r['table']['cached'] * 1e3:.2f} ms "
+          f"| {r['step']['recompute'] * 1e3:.0f} ms | {r['step']['cached'] * 1e3:.0f} ms "
+          f"({r['step']['cached'] / r['step']['recompute']:.3f}x) | {'yes' if r['exact'] else 'no'} |" for r in results),
+    ]
+    publish(lines, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
