@@ -14,6 +14,7 @@ import torch
 
 import generator_cases as gc
 import layout_cases as lc
+from reference import one_thread
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import TorchGenerator
 
@@ -44,14 +45,9 @@ def single_process_rollouts(weights: dict) -> list:
     model.load_state_dict(weights)
     generator = TorchGenerator(lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=gc.MAX_PROMPTS_PER_BATCH)
     generator.update_weights(model)
-    # The workers run one thread each; so does the reference, for the same float kernels.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         indices = list(range(len(gc.PROMPT_LENS)))
         return generator.generate(gc.prompts(), indices, gc.NUM_SAMPLES, gc.PARAMS, gc.SEED, gc.STEP)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def assert_equal_weights(replica: dict, trained: dict) -> None:

@@ -8,6 +8,7 @@ import torch
 import layout_cases as lc
 import rl_cases
 from generator_cases import prompts
+from reference import one_thread
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import TorchGenerator
 
@@ -18,8 +19,9 @@ def single_process_rollouts() -> dict:
     generator = TorchGenerator(lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=1)
     generator.update_weights(model)
     step_prompts = prompts()
-    rollouts = generator.generate(step_prompts, list(range(len(step_prompts))), rl_cases.NUM_SAMPLES, rl_cases.PARAMS,
-                                  rl_cases.SEED, rl_cases.STEP)
+    with one_thread():  # the ranks' float kernels: bitwise equality is the claim
+        rollouts = generator.generate(step_prompts, list(range(len(step_prompts))), rl_cases.NUM_SAMPLES,
+                                      rl_cases.PARAMS, rl_cases.SEED, rl_cases.STEP)
     return {(p, s): (tokens, logprobs) for p, s, tokens, logprobs in rl_cases.summary(rollouts)}
 
 
