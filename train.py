@@ -5,10 +5,8 @@ import sys
 
 from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.distributed.utils import shutdown_distributed
-from torchtitan_rl.rl.trainer import GRPOTrainer
-from torchtitan_rl.trainer import SFTTrainer
-
-RECIPES = {"sft": SFTTrainer, "grpo": GRPOTrainer}
+from torchtitan_rl.recipes import get_recipe
+from torchtitan_rl.recipes.base import describe_os_error
 
 
 def main(argv: list[str]) -> int:
@@ -22,7 +20,7 @@ def main(argv: list[str]) -> int:
     try:
         status = run(job_config)
     finally:
-        # Only now is the trainer unreferenced, so its meshes and groups can really go, while
+        # Only now is the recipe unreferenced, so its meshes and groups can really go, while
         # the interpreter is whole (see shutdown_distributed).
         shutdown_distributed(clean=status == 0)
         # Whatever comes after (interpreter shutdown) must not lose the last lines.
@@ -32,18 +30,24 @@ def main(argv: list[str]) -> int:
 
 
 def run(job_config: JobConfig) -> int:
-    """Build, train and close the recipe; 0, or 2 for a user mistake found on the way."""
-    trainer = None
+    """Build, set up, train and close the recipe; 0, or 2 for a user mistake found on the way."""
+    recipe = None
     try:
-        trainer = RECIPES[job_config.job.recipe](job_config)
-        trainer.train()
+        recipe = get_recipe(job_config.job.recipe)(job_config)
+        recipe.setup()
+        recipe.train()
     except ValueError as err:
         # User mistakes found while building (layouts, data, tokenizer): no traceback noise.
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        # A path of the config that cannot be used (a cache directory that is a file, a
+        # missing permission): the message names the keys it came from.
+        print(f"error: {describe_os_error(err, job_config)}", file=sys.stderr)
+        return 2
     finally:
-        if trainer is not None:
-            trainer.close()
+        if recipe is not None:
+            recipe.close()
     return 0
 
 

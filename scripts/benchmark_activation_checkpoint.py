@@ -33,7 +33,7 @@ from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
 from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer  # noqa: E402
 from torchtitan_rl.profiling import cpu_memory_timeline  # noqa: E402
-from torchtitan_rl.trainer import build_model  # noqa: E402
+from torchtitan_rl.recipes.base import build_model  # noqa: E402
 
 MODES = {"none": ("none", 1), "full": ("full", 1), "selective": ("selective", 2)}
 
@@ -58,10 +58,10 @@ def main() -> None:
     sample = Sample(input_ids=ids[:-1], labels=ids[1:], loss_mask=torch.ones(args.tokens, dtype=torch.bool))
     engines = {}
     for name, (mode, every) in MODES.items():
-        model = build_model(model_args, dims, device, 0, torch.float32, ac_mode=mode, ac_every=every)
+        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32, ac_mode=mode, ac_every=every)
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
-        engines[name] = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", 1, 0, 1024, 1.0))
+        engines[name] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024, max_norm=1.0))
 
     def step(engine: Engine) -> None:
         engine.forward_backward([sample])

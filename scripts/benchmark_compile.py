@@ -31,7 +31,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
 from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from torchtitan_rl.trainer import build_model  # noqa: E402
+from torchtitan_rl.recipes.base import build_model  # noqa: E402
 
 
 def minibatch(vocab: int, num_docs: int, max_len: int, seed: int) -> list[Sample]:
@@ -50,10 +50,10 @@ def measure(name: str, model_args, num_docs: int, max_len: int, budget: int, rep
     counter = CompileCounterWithBackend("inductor")
     engines = {}
     for variant, backend in (("eager", None), ("compiled", counter)):
-        model = build_model(model_args, dims, device, 0, torch.float32, compile_backend=backend)
+        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32, compile_backend=backend)
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
-        engines[variant] = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", 1, budget, 1024, 1.0))
+        engines[variant] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=budget, logits_chunk_size=1024, max_norm=1.0))
     first, times = {}, {variant: [] for variant in engines}
     for step in range(repeats + 1):
         batch = minibatch(model_args.vocab_size, num_docs, max_len, seed=step)

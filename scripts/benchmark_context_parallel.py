@@ -125,20 +125,20 @@ def _train_step(args, variant, dims, device):
     from torchtitan_rl.engine import Engine, EngineOptions
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
     from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-    from torchtitan_rl.trainer import build_model
+    from torchtitan_rl.recipes.base import build_model
 
     model_args = replace(
         qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend=args.attn_backend,
         max_seq_len=max(args.tokens, qwen3_flavors["debugmodel"].max_seq_len),
     )
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(model_args, dims, device, 0, param_dtype)
+    model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=param_dtype)
     optimizer = build_optimizer(model, 1e-4, 0.9, 0.95, 1e-8, 0.1)
     scheduler = build_lr_scheduler(optimizer, 100, 0, "linear", 0.0)
     autocast_dtype = param_dtype if (dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
     chunk = args.tokens if variant == "local_unchunked" else args.chunk
-    options = EngineOptions("token_mean", args.tokens, 0, chunk, 1.0)
-    engine = Engine(model, optimizer, scheduler, dims, device, options, autocast_dtype)
+    options = EngineOptions(reduction="token_mean", horizon=args.tokens, max_tokens_per_microbatch=0, logits_chunk_size=chunk, max_norm=1.0)
+    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options, autocast_dtype=autocast_dtype)
     if variant == "gather":
         def gathered_token_losses(mb):
             with engine._autocast():

@@ -30,7 +30,7 @@ from benchmark_docs import publish  # noqa: E402
 from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator  # noqa: E402
-from torchtitan_rl.trainer import build_model  # noqa: E402
+from torchtitan_rl.recipes.base import build_model  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes(device.type)
     model_args = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend=args.attn_backend)
-    model = build_model(model_args, dims, device, 0, torch.float32)
+    model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model_args.vocab_size, (n,), generator=gen).tolist() for n in args.prompt_lens]
     indices = list(range(len(prompts)))

@@ -42,7 +42,7 @@ def worker(args) -> None:
     from torchtitan_rl.losses.router import RouterLossConfig
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
     from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-    from torchtitan_rl.trainer import build_model
+    from torchtitan_rl.recipes.base import build_model
 
     rank, world, device = init_distributed(300)
     dims = ParallelDims(1, -1, 1, 1, world_size=world)
@@ -55,7 +55,7 @@ def worker(args) -> None:
     engines = {}
     for impl in ("grouped_mm", "loop"):
         model_args = dataclasses.replace(qwen3_flavors["debugmodel_moe"], experts_impl=impl, attn_backend="sdpa_loop")
-        model = build_model(model_args, dims, device, 0, torch.float32)
+        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
         routers = {"off": RouterLossConfig()} if impl == "loop" else {
@@ -64,8 +64,8 @@ def worker(args) -> None:
             "sequence": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="sequence", z_loss_coef=0.001),
         }
         for name, router in routers.items():
-            options = EngineOptions("token_mean", 1, args.tokens, 1024, 1.0, router=router)
-            engines[f"{impl}/{name}"] = Engine(model, optimizer, scheduler, dims, device, options)
+            options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=args.tokens, logits_chunk_size=1024, max_norm=1.0, router=router)
+            engines[f"{impl}/{name}"] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
     times: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(args.repeats + 1):
         for name, engine in engines.items():

@@ -33,7 +33,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
 from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
 from torchtitan_rl.profiling import cpu_memory_timeline  # noqa: E402
-from torchtitan_rl.trainer import build_model  # noqa: E402
+from torchtitan_rl.recipes.base import build_model  # noqa: E402
 
 LOSSES = {
     "cross_entropy": ("cross_entropy", {}),
@@ -85,8 +85,8 @@ def main() -> None:
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes(device.type)
     model_args = dataclasses.replace(qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend="sdpa_loop")
-    model = build_model(model_args, dims, device, 0, torch.float32)
-    engine = Engine(model, None, None, dims, device, EngineOptions("sequence_mean", args.seq_len, args.budget, 1024, 0.0))
+    model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction="sequence_mean", horizon=args.seq_len, max_tokens_per_microbatch=args.budget, logits_chunk_size=1024, max_norm=0.0))
     samples = make_samples(args.samples, args.seq_len, args.vocab)
 
     def step_of(name):

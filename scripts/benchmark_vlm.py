@@ -83,16 +83,15 @@ def balance_worker(repeats: int) -> None:
     from torchtitan_rl.engine import Engine, EngineOptions
     from torchtitan_rl.models.vlm.args import vlm_flavors
     from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-    from torchtitan_rl.trainer import build_model, vision_packing
+    from torchtitan_rl.recipes.base import build_model, vision_packing
 
     rank, world, device = init_distributed(300)
     dims = ParallelDims(1, -1, 1, 1, world_size=world)
     dims.build_meshes("cpu")
     args = vlm_flavors["debugmodel"]
-    model = build_model(args, dims, device, 0, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
     optimizer = build_optimizer(model, 1e-4, 0.9, 0.95, 1e-8, 0.0)
-    engine = Engine(model, optimizer, build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0), dims, device,
-                    EngineOptions("token_mean", 1, 0, 1024, 1.0, vision=vision_packing(args)))
+    engine = Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0), parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024, max_norm=1.0, vision=vision_packing(args)))
     gen = torch.Generator().manual_seed(0)
     side, merge = 16, args.spatial_merge_size  # 16 x 16 patches (224 px): 64 image tokens
     samples = []

@@ -24,7 +24,7 @@ from torchtitan_rl.data.tokenizer import ByteTokenizer  # noqa: E402
 from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig, build_sample  # noqa: E402
 from torchtitan_rl.hf_checkpoint import load_hf_weights, read_hf_model_args  # noqa: E402
 from torchtitan_rl.models.vlm.model import VisionInputs, VLMModel  # noqa: E402
-from torchtitan_rl.trainer import vision_packing  # noqa: E402
+from torchtitan_rl.recipes.base import vision_packing  # noqa: E402
 
 
 @torch.no_grad()

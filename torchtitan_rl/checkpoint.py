@@ -177,6 +177,7 @@ class CheckpointManager:
     def __init__(
         self,
         config: Checkpoint,
+        *,
         dump_folder: str,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,

@@ -59,13 +59,14 @@ class ForwardBackwardMetrics:
 
 @dataclass
 class ForwardResult:
-    """Per-token values of each sample's labels, in the samples' order."""
+    """Per-token values of each sample's labels, in the samples' order, on the CPU like every
+    per-token tensor of a ``Sample`` (so they can be attached to samples and packed)."""
 
     logprobs: list[torch.Tensor]
     entropies: list[torch.Tensor] | None  # when asked for
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineOptions:
     reduction: str
     horizon: int
@@ -88,7 +89,8 @@ class Engine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        *,
+        optimizer: torch.optim.Optimizer | None,
         lr_scheduler,
         parallel_dims: ParallelDims,
         device: torch.device,
@@ -314,7 +316,7 @@ class Engine:
             if cp_mesh is not None:
                 # Per-token scalars only (never logits), and only outside training.
                 per_token = gather_from_cp_ranks(per_token, mb.cp_layout, cp_mesh)
-            per_seq = per_token[: sum(mb.seq_lens)].split(mb.seq_lens)
+            per_seq = per_token[: sum(mb.seq_lens)].cpu().split(mb.seq_lens)
             logprobs.extend(values[:, 0] for values in per_seq)
             entropies.extend(values[:, -1] for values in per_seq)
         if isinstance(self.model, FSDPModule):

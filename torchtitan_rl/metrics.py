@@ -41,6 +41,7 @@ class MetricsLogger:
         parallel_dims: ParallelDims,
         device: torch.device,
         rank: int,
+        *,
         tb_folder: str | None,
         num_params: int,
         flops_per_token_context: int,
@@ -58,6 +59,7 @@ class MetricsLogger:
     def log(
         self,
         step: int,
+        *,
         fb: ForwardBackwardMetrics,
         optim: dict,
         window_tokens: torch.Tensor,
@@ -71,7 +73,14 @@ class MetricsLogger:
             router_values, counts = self.reduce_router(fb.router)
             values.update(router_values)
             self.write_expert_histograms(step, fb.router.layer_ids, counts)
-        return self.emit(step, values, window_tokens, window_squared_lens, window_seconds, data_stats)
+        return self.emit(
+            step,
+            values,
+            window_tokens=window_tokens,
+            window_squared_lens=window_squared_lens,
+            window_seconds=window_seconds,
+            data_stats=data_stats,
+        )
 
     def reduce_router(self, router: RouterMetrics) -> tuple[dict[str, float], torch.Tensor]:
         """A MoE step's router values (collective over every rank: each holds other tokens, TP
@@ -135,6 +144,7 @@ class MetricsLogger:
         self,
         step: int,
         values: dict[str, float],
+        *,
         window_tokens: torch.Tensor | float,
         window_squared_lens: torch.Tensor | float,
         window_seconds: float,

@@ -18,7 +18,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 # (dp_replicate, dp_shard, cp, tp): FSDP, FSDP + TP, HSDP, TP.
 GENERATOR_LAYOUTS = ((1, 2, 1, 1), (1, 2, 1, 2), (2, 2, 1, 1), (1, 1, 1, 2))
@@ -70,7 +70,7 @@ def count_gathers(generator: TorchGenerator, model: torch.nn.Module) -> dict:
 def tied_weights(dims: ParallelDims) -> dict:
     """A tied model at init loaded into a tied generator: one gather for the shared weight."""
     args = lc.model_args(True)
-    model = build_model(args, dims, torch.device("cpu"), lc.SEED, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32)
     generator = TorchGenerator(args, torch.device("cpu"))
     return {
         "gathers": count_gathers(generator, model),
@@ -86,12 +86,12 @@ def run_generator_checks(dims: ParallelDims, results: dict) -> None:
         return
     device = torch.device("cpu")
     args = lc.model_args(False)
-    model = build_model(args, dims, device, lc.SEED, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     # One micro-batch per rank (budget 0): the fewest passes.
-    options = EngineOptions("token_mean", lc.HORIZON, 0, 16, 0.0, temperature=TEMPERATURE)
-    engine = Engine(model, optimizer, scheduler, dims, device, options)
+    options = EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=0, logits_chunk_size=16, max_norm=0.0, temperature=TEMPERATURE)
+    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
     engine.forward_backward(share(lc.global_batch("uneven"), dims))
     engine.optim_step()
 

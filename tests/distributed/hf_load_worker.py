@@ -19,7 +19,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.hf_checkpoint import load_hf_weights, read_hf_model_args, save_hf_checkpoint
 from torchtitan_rl.models.qwen3.state_dict_adapter import to_hf
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 WORLD_SIZE = 4
 EXPORT_SHARD_BYTES = 20_000  # several shard files, so every rank takes part in several gathers
@@ -54,7 +54,7 @@ def main(checkpoints: str, out: str) -> None:
         path = os.path.join(checkpoints, checkpoint)
         dims = ParallelDims(*layout, world_size=world_size)
         dims.build_meshes("cpu")
-        model = build_model(read_hf_model_args(path), dims, device, seed=0, param_dtype=torch.float32)
+        model = build_model(read_hf_model_args(path), parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
         gather_root(model)
         load_hf_weights(model, path)
         loaded[case] = to_hf({fqn: full(p) for fqn, p in model.named_parameters()})

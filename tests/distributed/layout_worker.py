@@ -31,7 +31,7 @@ from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import packed_attention
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -46,21 +46,21 @@ def share(samples, dims: ParallelDims):
 
 def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
     device = torch.device("cpu")
-    model = build_model(lc.model_args(tie), dims, device, lc.SEED, torch.float32)
+    model = build_model(lc.model_args(tie), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}" + ("_tied" if tie else "")
     results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
+    metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     if not tie:
         # Log-probs and entropies of this rank's share (rank 0's is saved), before any step moves the weights.
-        engine = Engine(model, optimizer, scheduler, dims, device, EngineOptions("token_mean", lc.HORIZON, 24, 16, 0.0))
+        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=24, logits_chunk_size=16, max_norm=0.0))
         out = engine.forward(share(lc.global_batch("uneven"), dims), with_entropy=True)
         results[f"{prefix}/forward"] = {"logprobs": out.logprobs, "entropies": out.entropies}
     for loss_fn, mode, budget, variants, step in cases:
-        options = EngineOptions(mode, lc.HORIZON, budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
-        engine = Engine(model, optimizer, scheduler, dims, device, options)
+        options = EngineOptions(reduction=mode, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
+        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
         for variant in variants:
             fb = engine.forward_backward(share(lc.global_batch(variant), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
         grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
@@ -70,7 +70,7 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
             optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
             model.zero_grad(set_to_none=True)
         # Window tokens of the loss-token count over 1 s: throughput must come out as that / world size.
-        logged = metrics.log(1, fb, optim, fb.counts[NUM_LOSS_TOKENS], fb.counts[NUM_LOSS_TOKENS], 1.0, {})
+        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[NUM_LOSS_TOKENS], window_squared_lens=fb.counts[NUM_LOSS_TOKENS], window_seconds=1.0, data_stats={})
         entry = {"grads": grads, "logged": logged}
         if step:
             entry["params"] = {fqn: full(p) for fqn, p in model.named_parameters()}
@@ -148,8 +148,8 @@ def run_bad_inputs(dims: ParallelDims, results: dict) -> None:
     process group is still in step.
     """
     device = torch.device("cpu")
-    model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32)
-    engine = Engine(model, None, None, dims, device, EngineOptions("prompt_mean", lc.HORIZON, 24, 16, 0.0))
+    model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction="prompt_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=24, logits_chunk_size=16, max_norm=0.0))
     rank = dims.batch_rank()
     cases = {
         "no_advantages": lambda s: setattr(s[0], "advantages", None),
@@ -188,10 +188,10 @@ def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
         return
     device = torch.device("cpu")
     for mode, every in (("full", 1), ("selective", 2)):
-        model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32, ac_mode=mode, ac_every=every)
+        model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, ac_mode=mode, ac_every=every)
         _, mode_name, budget, _, _ = AC_CASE
-        options = EngineOptions(mode_name, lc.HORIZON, budget, logits_chunk_size=16, max_norm=0.0)
-        engine = Engine(model, None, None, dims, device, options)
+        options = EngineOptions(reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=0.0)
+        engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
         engine.forward_backward(share(lc.global_batch(AC_CASE[3][0]), dims))
         results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
 
@@ -208,9 +208,9 @@ def run_compile(dims: ParallelDims, results: dict) -> None:
     if layout not in COMPILE_LAYOUTS:
         return
     device = torch.device("cpu")
-    model = build_model(lc.model_args(False), dims, device, lc.SEED, torch.float32, compile_backend="aot_eager")
+    model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, compile_backend="aot_eager")
     _, mode_name, budget, variants, _ = AC_CASE
-    engine = Engine(model, None, None, dims, device, EngineOptions(mode_name, lc.HORIZON, budget, logits_chunk_size=16, max_norm=0.0))
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=0.0))
     engine.forward_backward(share(lc.global_batch(variants[0]), dims))
     results["compile/rep{}_shard{}_cp{}_tp{}".format(*layout)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
 

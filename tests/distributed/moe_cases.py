@@ -22,7 +22,7 @@ from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 # (dp_replicate, dp_shard, cp, tp): dp 2, cp 2, tp 2, dp2 x cp2, cp2 x tp2 (and one rank).
 MOE_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2, 1), (1, 1, 2, 2))
@@ -75,12 +75,12 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
     if layout not in MOE_LAYOUTS:
         return
     device = torch.device("cpu")
-    model = build_model(model_args(), dims, device, lc.SEED, torch.float32)
+    model = build_model(model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     set_router_weights(model)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
+    metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
     cases = [(name, config, "uneven") for name, config in ROUTER_CONFIGS.items()]
     cases.append((AUX_ONLY, AUX_ONLY_CONFIG, "no_loss"))
@@ -89,12 +89,12 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
         # 3 micro-batches on every layout without data parallel), whatever CP / TP split them.
         cases.append((MICROBATCH, MICROBATCH_CONFIG, "uneven"))
     for name, config, variant in cases:
-        options = EngineOptions("token_mean", lc.HORIZON, BUDGET, logits_chunk_size=16, max_norm=0.0, router=config)
-        engine = Engine(model, optimizer, scheduler, dims, device, options)
+        options = EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=BUDGET, logits_chunk_size=16, max_norm=0.0, router=config)
+        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
         samples = lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
         fb = engine.forward_backward(samples)
         grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         model.zero_grad(set_to_none=True)
-        logged = metrics.log(1, fb, optim, fb.counts[0], fb.counts[0], 1.0, {})
+        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[0], window_squared_lens=fb.counts[0], window_seconds=1.0, data_stats={})
         results[case_key(layout, name)] = {"grads": grads, "logged": logged}

@@ -14,7 +14,7 @@ from generator_cases import prompts
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import exchange_among_peers, generate_share, rank_prompt_slots
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 # (dp_replicate, dp_shard, cp, tp): TP peers, CP peers, and CP peers alone.
 EXCHANGE_LAYOUTS = ((1, 2, 1, 2), (1, 2, 2, 1), (1, 1, 2, 1))
@@ -39,7 +39,7 @@ def run_rollout_exchange_checks(dims: ParallelDims, results: dict) -> None:
     if layout not in EXCHANGE_LAYOUTS:
         return
     args = lc.model_args(False)
-    model = build_model(args, dims, torch.device("cpu"), lc.SEED, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32)
     generator = TorchGenerator(args, torch.device("cpu"), max_prompts_per_batch=MAX_PROMPTS_PER_BATCH)
     generator.update_weights(model)
     step_prompts = prompts()

@@ -24,7 +24,7 @@ from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.vision.args import VisionArgs
 from torchtitan_rl.models.vlm.args import VLMModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 # (dp_replicate, dp_shard, cp, tp): dp 1 / 2 / 4, tp 2, cp 2, dp2 x cp2.
 VLM_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 4, 1, 1), (1, 2, 2, 1))
@@ -115,26 +115,24 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
         return
     device = torch.device("cpu")
     args = model_args()
-    model = build_model(args, dims, device, lc.SEED, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    metrics = MetricsLogger(dims, device, rank, None, num_params=1, flops_per_token_context=1)
+    metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     vision = VisionPacking(PATCH_DIM, MERGE)
     cases = [(mode, budget, balance, False) for mode in MODES for budget in BUDGETS for balance in (False, True)]
     cases.append(("token_mean", BUDGETS[1], True, True))  # clipped AdamW step; must stay last
     for mode, budget, balance, step in cases:
-        options = EngineOptions(mode, lc.HORIZON, budget[0], logits_chunk_size=16,
-                                max_norm=lc.MAX_NORM if step else 0.0, vision=vision,
-                                max_patches_per_microbatch=budget[1])
-        engine = Engine(model, optimizer, scheduler, dims, device, options)
+        options = EngineOptions(reduction=mode, horizon=lc.HORIZON, max_tokens_per_microbatch=budget[0], logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0, vision=vision, max_patches_per_microbatch=budget[1])
+        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
         samples = rank_samples(global_batch(), dims, balance)
         fb = engine.forward_backward(samples)
         grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
         optim = engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         if not step:
             model.zero_grad(set_to_none=True)
-        logged = metrics.log(1, fb, optim, fb.counts[0], fb.counts[0], 1.0, {})
+        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[0], window_squared_lens=fb.counts[0], window_seconds=1.0, data_stats={})
         entry = {"grads": grads, "logged": logged,
                  "num_images": [s.num_patches > 0 for s in samples].count(True)}
         if step:

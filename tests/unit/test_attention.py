@@ -7,7 +7,7 @@ from torchtitan_rl.models.attention import (
     packed_attention,
     resolve_attn_backend,
 )
-from torchtitan_rl.models.attention_buckets import CALL_COST
+from torchtitan_rl.models.varlen_plan import CALL_COST
 
 CPU_BACKENDS = ["sdpa_dense", "sdpa_varlen", "sdpa_loop"]
 LENGTHS = [5, 1, 9, 3, 1, 7]

@@ -38,7 +38,14 @@ def build(dump: str, seed: int = 0, args: Qwen3ModelArgs = ARGS, **config):
     state = TrainState()
     loader = Loader()
     manager = CheckpointManager(
-        Checkpoint(enable=True, **config), dump, model, optimizer, scheduler, loader, state, args
+        Checkpoint(enable=True, **config),
+        dump_folder=dump,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        dataloader=loader,
+        train_state=state,
+        model_args=args,
     )
     return manager, model, optimizer, scheduler, loader, state
 

@@ -18,7 +18,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
@@ -64,15 +64,15 @@ def gradients(model, batch, budget: int) -> dict[str, torch.Tensor]:
     # MoE: router losses on, so the router statistics' gradients pass the compiled graphs too
     # (per-sequence balance: the global one adds a no-grad counting pass, compiled separately).
     router = RouterLossConfig(0.01, "sequence", "pooled", 0.001) if model.args.is_moe else None
-    options = EngineOptions("token_mean", 32, budget, 8, 0.0, router=router)
-    engine = Engine(model, None, None, single_rank(), CPU, options)
+    options = EngineOptions(reduction="token_mean", horizon=32, max_tokens_per_microbatch=budget, logits_chunk_size=8, max_norm=0.0, router=router)
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=single_rank(), device=CPU, options=options)
     model.zero_grad(set_to_none=True)
     engine.forward_backward(batch)
     return {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
 
 
 def build(args, backend=None, ac_mode: str = "none"):
-    return build_model(args, single_rank(), CPU, 0, torch.float32, ac_mode=ac_mode, compile_backend=backend)
+    return build_model(args, parallel_dims=single_rank(), device=CPU, seed=0, param_dtype=torch.float32, ac_mode=ac_mode, compile_backend=backend)
 
 
 def assert_rel_close(actual: dict, expected: dict, what: str) -> None:

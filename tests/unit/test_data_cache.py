@@ -89,6 +89,28 @@ def test_prepared_parquet_rows_equal_the_plain_read(tmp_path):
         next(SFTDataLoader(rows, TOKENIZER, 16, 3, "drop", 0, 0, 1))
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbled pages"])
+def test_a_damaged_parquet_shard_is_named(tmp_path, damage):
+    data = tmp_path / "data"
+    data.mkdir()
+    table = pa.Table.from_pylist([{"text": f"row {i} " * 20} for i in range(200)])
+    for name in ("0.parquet", "1.parquet", "2.parquet"):
+        pq.write_table(table, data / name, compression="NONE")
+    shard = data / "1.parquet"
+    raw = bytearray(shard.read_bytes())
+    if damage == "truncated":
+        raw = raw[: len(raw) // 2]  # no footer: fails when its row count is read
+    else:
+        # The footer stays valid, the data pages are not: fails only when datasets decodes them.
+        raw[8 : len(raw) // 2] = b"\xff" * (len(raw) // 2 - 8)
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(Exception):  # the premise: pyarrow itself rejects the shard
+        pq.read_table(shard)
+    for cache_dir in [str(tmp_path / "cache"), None]:
+        with pytest.raises(ValueError, match=rf"dataset file '{re.escape(str(shard))}' is damaged or not a parquet file"):
+            load_rows("", str(data), "train", 0, 0, cache_dir=cache_dir)
+
+
 def test_second_load_reuses_and_an_edited_file_invalidates(tmp_path, caplog):
     data, cache = tmp_path / "data", tmp_path / "cache"
     data.mkdir()

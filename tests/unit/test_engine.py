@@ -26,7 +26,7 @@ from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, 
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer, lr_factor
 from torchtitan_rl.profiling import cpu_memory_timeline
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 CPU = torch.device("cpu")
 HORIZON = 20
@@ -48,17 +48,11 @@ LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0, args=ARGS):
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(args, dims, CPU, seed, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=CPU, seed=seed, param_dtype=torch.float32)
     optimizer = build_optimizer(model, LR, BETAS[0], BETAS[1], EPS, WD)
     scheduler = build_lr_scheduler(optimizer, steps, warmup, "linear", 0.1)
-    options = EngineOptions(
-        reduction=reduction,
-        horizon=HORIZON,
-        max_tokens_per_microbatch=max_tokens,
-        logits_chunk_size=chunk,
-        max_norm=max_norm,
-    )
-    return Engine(model, optimizer, scheduler, dims, CPU, options)
+    options = EngineOptions(reduction=reduction, horizon=HORIZON, max_tokens_per_microbatch=max_tokens, logits_chunk_size=chunk, max_norm=max_norm)
+    return Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=CPU, options=options)
 
 
 def random_raw(seed: int, num: int = 6, max_len: int = 11):
@@ -198,6 +192,7 @@ def test_forward_logprobs_and_entropies_match_per_sequence_log_softmax(max_token
             log_softmax = model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).float().log_softmax(-1)
             expected = log_softmax.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
             assert lp.shape == ent.shape == (n,)
+            assert lp.device == ent.device == torch.device("cpu")
             torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(ent, -(log_softmax.exp() * log_softmax).sum(-1), rtol=1e-5, atol=1e-5)
     assert all(p.grad is None for p in model.parameters())
@@ -329,6 +324,11 @@ def test_entropy_memory_is_bounded_by_the_chunk():
         ("ppo", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", None), r"sample 4 .* has no group_id"),
         ("cross_entropy", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", -1), r"group_id must be an int >= 0"),
         ("ppo", {}, "prompt_mean", lambda s: setattr(s[5], "group_id", 6), r"group_id 6 is out of range"),
+        # A device tensor among CPU ones would otherwise meet CPU padding inside packing.
+        ("ppo", {"kl_coef": 0.1}, "token_mean", lambda s: setattr(s[1], "ref_logprobs", s[1].ref_logprobs.to("meta")),
+         r"sample 1 .*: ref_logprobs is on meta; a sample's tensors live on the CPU"),
+        ("cross_entropy", {}, "token_mean", lambda s: setattr(s[2], "labels", s[2].labels.to("meta")),
+         r"sample 2 .*: labels is on meta"),
     ],
 )
 def test_bad_rl_inputs_are_named_before_any_gradient(loss_fn, config, reduction, spoil, message):

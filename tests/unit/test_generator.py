@@ -19,7 +19,7 @@ from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator, rollout_seed
-from torchtitan_rl.trainer import build_model
+from torchtitan_rl.recipes.base import build_model
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
@@ -34,7 +34,7 @@ def noisy_model(args: Qwen3ModelArgs = ARGS, seed: int = 0, std: float = 0.3) ->
     """A single-process model whose next-token distributions are far from uniform."""
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(args, dims, CPU, seed, torch.float32)
+    model = build_model(args, parallel_dims=dims, device=CPU, seed=seed, param_dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in model.parameters():
@@ -132,7 +132,7 @@ def test_sampler_logprobs_equal_engine_forward(temperature, top_k, top_p):
                         temperature=temperature, top_k=top_k, top_p=top_p)
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    engine = Engine(model, None, None, dims, CPU, EngineOptions("token_mean", 20, 40, 7, 0.0, temperature=temperature))
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=CPU, options=EngineOptions(reduction="token_mean", horizon=20, max_tokens_per_microbatch=40, logits_chunk_size=7, max_norm=0.0, temperature=temperature))
     samples = []
     for r in rollouts:
         tokens = r.prompt_tokens + r.completion_tokens

@@ -1,6 +1,7 @@
 import io
 import math
 import random
+import re
 from fractions import Fraction
 
 import numpy as np
@@ -115,6 +116,15 @@ def test_image_that_cannot_fit_is_an_error_naming_why():
     assert target_size(100, 10000, 8, 2, 100) == (16, 1600)  # one-unit short side, 100 units long
     with pytest.raises(ValueError, match="max_image_tokens must be an int >= 1"):
         target_size(10, 10, 8, 2, 0)
+
+
+def test_an_image_scaled_to_the_longest_side_is_named_at_its_own_size():
+    # 4000 x 20 under a 40-unit (640 px) side bound: scaled to 640 x 3.2, floored to 640 x 3 pixels,
+    # whose strip one 16-pixel unit high needs ceil(640 / 3) = 214 tokens. The message gives the file's size.
+    message = (r"a 4000x20 image \(scaled down to 640x3 for the model's longest image side of 640 pixels\) "
+               r"cannot fit in max_image_tokens=16: its aspect ratio needs 214 tokens")
+    with pytest.raises(ValueError, match=message):
+        target_size(20, 4000, 8, 2, 16, max_units_per_side=40)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -282,3 +292,17 @@ def test_load_errors_name_the_image(tmp_path):
         load_image(3, "row 0 image 0")
     with pytest.raises(ValueError, match="needs 'bytes' or 'path'"):
         image_size({"bytes": None, "path": None}, "row 0 image 0")
+
+
+@pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://host/a.png", "s3://bucket/key.jpg", "file:///tmp/a.png"])
+def test_a_url_is_refused_as_a_url(tmp_path, monkeypatch, url):
+    # Even where a local file has the URL's name, the URL is not looked up as a path.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / url.split("://")[0] + ":").mkdir()
+    random_image(4, 4).save(tmp_path / url.replace("://", ":/", 1).lstrip("/"))
+    message = rf"row 4 image 0: image '{re.escape(url)}' is a URL; images must be local files .* or inline data"
+    for source in [url, {"bytes": None, "path": url}]:
+        with pytest.raises(ValueError, match=message):
+            image_size(source, "row 4 image 0")
+        with pytest.raises(ValueError, match=message):
+            load_image(source, "row 4 image 0")

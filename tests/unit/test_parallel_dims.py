@@ -4,7 +4,7 @@ import pytest
 
 from torchtitan_rl.config import ConfigManager
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.trainer import build_parallel_dims, check_divisible_by_data_parallel
+from torchtitan_rl.recipes.base import build_parallel_dims, check_divisible_by_data_parallel
 
 KEYS = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",

@@ -18,7 +18,7 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.tasks import Reward
-from torchtitan_rl.rl.trainer import _combine_updates
+from torchtitan_rl.recipes.grpo import combine_updates
 
 
 def test_prompt_stream_visits_every_prompt_once_per_epoch_and_resumes_exactly():
@@ -109,18 +109,18 @@ def test_rollout_metrics_by_hand():
     })
 
 
-def test_step_values_combine_updates():
+def test_step_valuescombine_updates():
     updates = [
         {"loss_metrics/global_avg_loss": 1.0, "loss_metrics/global_max_loss": 3.0, "tokens/total": 10.0,
          "grad_norm": 2.0},
         {"loss_metrics/global_avg_loss": 3.0, "loss_metrics/global_max_loss": 2.0, "tokens/total": 12.0,
          "grad_norm": 4.0},
     ]
-    assert _combine_updates(updates) == {
+    assert combine_updates(updates) == {
         "loss_metrics/global_avg_loss": 2.0, "loss_metrics/global_max_loss": 3.0, "tokens/total": 22.0,
         "grad_norm": 3.0,
     }
-    assert _combine_updates([]) == {}
+    assert combine_updates([]) == {}
 
 
 def test_advantage_tensor_dtype_is_float():

@@ -9,7 +9,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.vlm.args import vlm_flavors
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-from torchtitan_rl.trainer import build_model, vision_packing
+from torchtitan_rl.recipes.base import build_model, vision_packing
 
 ARGS = vlm_flavors["debugmodel"]
 PATCH_DIM = ARGS.vision.patch_dim
@@ -18,11 +18,10 @@ PATCH_DIM = ARGS.vision.patch_dim
 def engine(freeze_vision: bool = False, max_tokens: int = 0, max_patches: int = 0, vision: bool = True) -> Engine:
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(ARGS, dims, torch.device("cpu"), 0, torch.float32, freeze_vision=freeze_vision)
+    model = build_model(ARGS, parallel_dims=dims, device=torch.device("cpu"), seed=0, param_dtype=torch.float32, freeze_vision=freeze_vision)
     optimizer = build_optimizer(model, 1e-3, 0.9, 0.95, 1e-8, 0.0)
-    options = EngineOptions("token_mean", 1, max_tokens, 64, 0.0, vision=vision_packing(ARGS) if vision else None,
-                            max_patches_per_microbatch=max_patches)
-    return Engine(model, optimizer, build_lr_scheduler(optimizer, 10, 0, "linear", 0.0), dims, torch.device("cpu"), options)
+    options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=max_tokens, logits_chunk_size=64, max_norm=0.0, vision=vision_packing(ARGS) if vision else None, max_patches_per_microbatch=max_patches)
+    return Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10, 0, "linear", 0.0), parallel_dims=dims, device=torch.device("cpu"), options=options)
 
 
 def sample(grids: list[tuple[int, int]], seed: int, n: int = 30) -> Sample:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_rl.data.images import is_url
 from torchtitan_rl.data.tokenizer import IM_END_TOKEN, IM_START_TOKEN, Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
@@ -110,8 +111,13 @@ def _header(role: str, tokenizer: Tokenizer) -> list[int]:
 
 
 def _resolve(source: Any, base_dir: str | None) -> Any:
-    """Relative image paths are relative to the row's file (``base_dir``), else to the working directory."""
+    """Relative image paths are relative to the row's file (``base_dir``), else to the working directory.
+
+    A URL stays as it is, so that opening it names it as a URL (``images.is_url``).
+    """
     if base_dir is None:
+        return source
+    if isinstance(source, str) and is_url(source):
         return source
     if isinstance(source, (str, os.PathLike)) and not os.path.isabs(source):
         return os.path.join(base_dir, source)

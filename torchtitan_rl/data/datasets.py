@@ -72,6 +72,32 @@ class ParquetRows(SourcedRows):
         return None  # as ``datasets`` rows always had: relative image paths are relative to the working directory
 
 
+# What pyarrow raises for a file that is not (or no longer) valid parquet.
+_PARQUET_ERRORS = (pa.ArrowException, OSError)
+
+
+def _damaged_shard(file: Path, err: Exception) -> ValueError:
+    return ValueError(f"dataset file {str(file)!r} is damaged or not a parquet file ({str(err).strip()}); replace or remove it")
+
+
+def _num_rows(file: Path) -> int:
+    try:
+        return pq.ParquetFile(file).metadata.num_rows
+    except _PARQUET_ERRORS as err:  # a truncated file has no footer
+        raise _damaged_shard(file, err) from err
+
+
+def _first_unreadable(files: list[Path]) -> tuple[Path, Exception] | None:
+    """The first file whose pages pyarrow cannot decode, with the error; None if all decode."""
+    for file in files:
+        try:
+            for _ in pq.ParquetFile(file).iter_batches():
+                pass
+        except _PARQUET_ERRORS as err:
+            return file, err
+    return None
+
+
 def _parquet_dataset(files: list[Path], cache_dir: str, keep_in_memory: bool) -> datasets.Dataset:
     try:
         return datasets.load_dataset(
@@ -79,12 +105,17 @@ def _parquet_dataset(files: list[Path], cache_dir: str, keep_in_memory: bool) ->
             cache_dir=cache_dir,
         )
     except Exception as err:  # noqa: BLE001  (re-raised with the files, as datasets' errors do not name them)
+        # datasets reads the shards as one stream: a damaged page in any of them fails the whole
+        # load without its name, so find it by decoding each file (only once the load has failed).
+        unreadable = _first_unreadable(files)
+        if unreadable is not None:
+            raise _damaged_shard(*unreadable) from err
         cause = f"{err}: {err.__cause__}" if err.__cause__ is not None else str(err)
         raise ValueError(f"could not load dataset files {[str(f) for f in files]}: {cause}") from err
 
 
 def _load_parquet(files: list[Path], cache_dir: str | None, timeout_s: float) -> ParquetRows:
-    counts = [pq.ParquetFile(f).metadata.num_rows for f in files]
+    counts = [_num_rows(f) for f in files]
     empty = [str(f) for f, count in zip(files, counts) if count == 0]
     if empty:
         raise ValueError(f"dataset file {empty[0]!r} is empty (no rows); remove it or fill it")

@@ -12,6 +12,7 @@ tokens of every sample of a global mini-batch and decode pixels for its own shar
 
 import io
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,13 @@ feature's storage dict ``{"bytes": ..., "path": ...}`` (as parquet files written
 
 # Pillow's decoders signal broken data with any of these.
 _DECODE_ERRORS = (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+# ``scheme://...`` (http, https, s3, file, ...): a URL, never a local path.
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str) -> bool:
+    """Whether an image path is a URL (``scheme://...``), which is refused rather than looked up as a file."""
+    return _URL.match(path) is not None
 
 
 def _open(source: ImageSource, where: str) -> Image.Image:
@@ -51,6 +59,12 @@ def _open(source: ImageSource, where: str) -> Image.Image:
         data, name = io.BytesIO(bytes(source)), f"{len(source)} bytes of encoded image"
     elif isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
+        if is_url(path):
+            # Nothing is ever downloaded at run time (as for datasets): a URL is not looked up as a file.
+            raise ValueError(
+                f"{where}: image {path!r} is a URL; images must be local files (a path, relative to the row's "
+                "file or absolute) or inline data (the encoded image's bytes)"
+            )
         if not os.path.isfile(path):
             raise ValueError(f"{where}: image file {path!r} does not exist")
         data, name = path, f"image file {path!r}"
@@ -134,17 +148,20 @@ def target_size(
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"target_size: {name} must be an int >= 1, got {value!r}")
     unit = patch_size * merge_size
+    # Errors name the image's own size, which the user can look up, and the scaled one it came to.
+    size = f"{width}x{height}"
     if max_units_per_side is not None and max(height, width) > max_units_per_side * unit:
         longest = max_units_per_side * unit
         long_side = max(height, width)
         height, width = max(1, height * longest // long_side), max(1, width * longest // long_side)
+        size += f" (scaled down to {width}x{height} for the model's longest image side of {longest} pixels)"
     rows, cols = _ceil_div(height, unit), _ceil_div(width, unit)
     if rows * cols <= max_image_tokens:
         return rows * unit, cols * unit
     long_side, short_side = max(height, width), min(height, width)
     if _ceil_div(long_side, short_side) > max_image_tokens:
         raise ValueError(
-            f"a {width}x{height} image cannot fit in max_image_tokens={max_image_tokens}: its aspect ratio "
+            f"a {size} image cannot fit in max_image_tokens={max_image_tokens}: its aspect ratio "
             f"needs {_ceil_div(long_side, short_side)} tokens with a short side of one "
             f"{unit}-pixel unit (patch_size {patch_size} x merge_size {merge_size}); crop it or raise the limit"
         )

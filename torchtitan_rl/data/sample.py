@@ -11,6 +11,7 @@ RL_TOKEN_INPUTS = ("advantages", "sampler_logprobs", "ref_logprobs")
 # Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
 # not a log-probability (e.g. probabilities or logits passed by mistake).
 _MAX_LOGPROB = math.log1p(1e-2)
+_TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", *RL_TOKEN_INPUTS, "vision_rows")
 
 
 @dataclass
@@ -42,6 +43,9 @@ class Sample:
     ``sampler_logprobs`` (log-probs of the policy that sampled the tokens, "old") and
     ``ref_logprobs`` (a frozen reference policy), and the index ``group_id`` of their prompt
     group in the mini-batch. All travel with the labels through packing and every split.
+
+    Every tensor of a sample lives on the CPU: planning, packing and the context-parallel split
+    run on the host, and the engine moves whole micro-batches to the device.
     """
 
     input_ids: torch.Tensor  # [n] int64
@@ -85,9 +89,13 @@ def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | 
     weight is still NaN.
     """
     for i, sample in enumerate(samples):
+        where = f"sample {i} of this rank's {len(samples)}"
+        for name in _TOKEN_FIELDS:
+            value = getattr(sample, name)
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                return f"{where}: {name} is on {value.device}; a sample's tensors live on the CPU (see Sample)"
         for name in needed:
             value = getattr(sample, name)
-            where = f"sample {i} of this rank's {len(samples)}"
             if value is None:
                 return f"{where} has no {name}"
             if name == "group_id":

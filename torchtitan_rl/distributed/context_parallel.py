@@ -1,5 +1,6 @@
-"""Context parallel (DESIGN §5): the per-sequence load-balanced split of packed micro-batches
-and attention over K/V gathered from every CP rank.
+"""Context parallel: the per-sequence load-balanced split of packed token buffers over the CP
+ranks, and the gather that undoes it. Splitting a micro-batch with it is ``data/cp_split.py``;
+attention over K/V gathered from every CP rank is ``models.attention.cp_attention_context``.
 
 Causal attention makes late tokens expensive, so cutting a sequence into ``cp`` contiguous
 pieces would leave the last rank with most of the work. Instead each sequence is padded to
@@ -12,15 +13,12 @@ document-causal rule (a key is visible when its position is <= the query's) hide
 every real token, and their loss mask is 0, so they change no number.
 """
 
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_rl.compat import all_gather, all_gather_autograd
-from torchtitan_rl.data.packing import TOKEN_PAD_VALUES, MicroBatch
-from torchtitan_rl.models.attention import AttentionContext, build_attention_context
+from torchtitan_rl.compat import all_gather
 
 
 def padded_length(num_tokens: int, cp: int, multiple: int = 1) -> int:
@@ -97,50 +95,6 @@ class ZigzagLayout:
         return torch.repeat_interleave(torch.arange(len(lens)), lens)[self.rank_index[rank]]
 
 
-def microbatch_layout(mb: MicroBatch, cp: int, multiple: int = 1) -> ZigzagLayout:
-    """The zigzag layout of a (whole, unsplit) packed micro-batch."""
-    segment_lens = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
-    return ZigzagLayout.build(segment_lens, cp, multiple)
-
-
-def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> MicroBatch:
-    """CP rank ``rank``'s share of a whole micro-batch.
-
-    Labels, loss masks, RL inputs and the per-sequence loss-token counts were built on the
-    whole sequences and are only moved here, all with the same index, so weights computed
-    from the share are exactly the whole sequence's weights, restricted to this rank's tokens.
-    Images are not split: every CP rank runs the vision tower on all of them and its share
-    of ``vision_index`` picks its own feature rows, so an image whose tokens straddle a chunk
-    boundary lands on both ranks correctly.
-    """
-    layout = microbatch_layout(mb, cp, multiple)
-    return replace(
-        mb,
-        **{name: layout.split(values, rank, TOKEN_PAD_VALUES.get(name, 0)) for name, values in mb.token_fields().items()},
-        positions=layout.positions(rank),
-        seq_ids=layout.seq_ids(rank),
-        cp_layout=layout,
-    )
-
-
 def gather_from_cp_ranks(local: torch.Tensor, layout: ZigzagLayout, cp_mesh: DeviceMesh) -> torch.Tensor:
     """Every token's value (no gradient) in the original order, from each rank's share."""
     return layout.gather(list(all_gather(local, cp_mesh).chunk(layout.cp)))
-
-
-def cp_attention_context_builder(cp_mesh: DeviceMesh):
-    """A drop-in for ``build_attention_context`` whose keys are the tokens of every CP rank.
-
-    Queries stay this rank's tokens; K/V are all-gathered over ``cp`` inside attention (the
-    autograd gather's backward reduce-scatters, i.e. sums, the gradients of the gathered
-    K/V back to their owners), and the mask is built from the gathered ``(seq_ids,
-    positions)`` so it is the same document-causal rule as without CP.
-    """
-
-    def build(backend: str, seq_ids: torch.Tensor, positions: torch.Tensor) -> AttentionContext:
-        kv_seq_ids = all_gather(seq_ids, cp_mesh)
-        kv_positions = all_gather(positions, cp_mesh)
-        context = build_attention_context(backend, seq_ids, positions, kv_seq_ids, kv_positions)
-        return replace(context, gather_kv=partial(all_gather_autograd, mesh=cp_mesh))
-
-    return build

@@ -14,24 +14,34 @@ the keys include the query's own token); a query with none has no defined output
 
 Backends: ``sdpa_dense`` is one SDPA call under the dense ``[T, S]`` mask: the rule written
 out, and the reference every other backend is tested against, but O(T·S) work.
-``sdpa_varlen`` (the CPU default; planned in ``attention_buckets.py``) attends each document's
+``sdpa_varlen`` (the CPU default; planned in ``varlen_plan.py``) attends each document's
 queries to that document's keys only, documents of similar length batched into one padded
 SDPA call, so its work is ∝ Σ Lᵢ² (Σ Lᵢ²/cp on a context-parallel share). ``sdpa_loop``
 calls SDPA once per document. ``flex`` (CUDA) runs flex_attention under a block mask.
 
 The mask data depends only on the micro-batch, so it is built once per forward into an
 ``AttentionContext`` and shared by every layer.
+
+What the layers of one forward attend with is an ``AttentionState``, passed to the model's
+forward: ``state.for_layer(i)`` is the ``LayerAttention`` of layer i, a function
+``(q, k, v) -> out``. An ``AttentionContext`` is the state of plain packed attention (the same
+context for every layer); ``cp_attention_context`` builds one whose keys are gathered over the
+context-parallel ranks; an inference engine's KV cache gives each layer its own cache slot
+(``rl/generator.py``).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cache
+from dataclasses import dataclass, field, replace
+from functools import cache, partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from torchtitan_rl.models.attention_buckets import VarlenPlan, plan_varlen
+from torchtitan_rl.compat import all_gather, all_gather_autograd
+from torchtitan_rl.models.varlen_plan import VarlenPlan, plan_varlen
 
 ATTN_BACKENDS = ("sdpa_dense", "sdpa_varlen", "sdpa_loop", "flex")
 ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
@@ -97,14 +107,28 @@ class AttentionContext:
     # mask, SDPA makes a float copy in every call and keeps it for backward (one [T, S] tensor
     # per layer).
     additive_masks: "AdditiveMasks" = field(default_factory=lambda: AdditiveMasks(), compare=False, repr=False)
-    # Inference hook (the KV cache of rl/generator.py): when set, ``packed_attention`` returns
-    # ``override(q, k, v)`` and ignores every field above. It is called once per layer, in
-    # layer order, so it can tell the layers apart by counting its calls. Training never sets it.
-    override: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     # False: bidirectional within a sequence. sdpa_loop needs it at call time (a document
     # without a mask means "causal" or "everything" depending on it); the other backends
     # have it baked into their masks.
     causal: bool = True
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return packed_attention(q, k, v, self)
+
+    def for_layer(self, layer_id: int) -> "AttentionContext":
+        """Every layer attends under the same mask data."""
+        return self
+
+
+LayerAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One layer's attention: ``q [T, n_heads, head_dim], k, v [T, n_kv_heads, head_dim] ->
+[T, n_heads, head_dim]`` (k and v are the layer's own tokens' keys and values)."""
+
+
+class AttentionState(Protocol):
+    """What the layers of one forward attend with (see the module docstring)."""
+
+    def for_layer(self, layer_id: int) -> LayerAttention: ...
 
 
 def build_attention_context(
@@ -156,6 +180,23 @@ def build_attention_context(
     )
 
 
+def cp_attention_context(
+    cp_mesh: DeviceMesh, backend: str, seq_ids: torch.Tensor, positions: torch.Tensor
+) -> AttentionContext:
+    """The context of this rank's share of a context-parallel micro-batch, whose keys are the
+    tokens of every CP rank.
+
+    Queries stay this rank's tokens; K/V are all-gathered over ``cp`` inside attention (the
+    autograd gather's backward reduce-scatters, i.e. sums, the gradients of the gathered
+    K/V back to their owners), and the mask is built from the gathered ``(seq_ids,
+    positions)`` so it is the same document-causal rule as without CP.
+    """
+    kv_seq_ids = all_gather(seq_ids, cp_mesh)
+    kv_positions = all_gather(positions, cp_mesh)
+    context = build_attention_context(backend, seq_ids, positions, kv_seq_ids, kv_positions)
+    return replace(context, gather_kv=partial(all_gather_autograd, mesh=cp_mesh))
+
+
 @torch.compiler.disable  # per-forward mask data: compiled blocks break here, see distributed/compile.py
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
@@ -167,11 +208,7 @@ def packed_attention(
 
     GQA: query head h uses kv head ``h // (n_heads // n_kv_heads)``. Returns
     ``[T, n_heads, head_dim]``; the scale is ``1 / sqrt(head_dim)``.
-
-    With ``context.override`` set, that function computes the attention instead.
     """
-    if context.override is not None:
-        return context.override(q, k, v)
     if q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"n_heads ({q.shape[1]}) must be a multiple of n_kv_heads ({k.shape[1]})")
     scale = q.shape[-1] ** -0.5

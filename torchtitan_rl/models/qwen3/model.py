@@ -8,38 +8,25 @@ so a model built on the meta device only needs ``to_empty`` + ``init_weights``.
 
 import math
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rl.models.attention import (
-    AttentionContext,
-    build_attention_context,
-    packed_attention,
-)
+from torchtitan_rl.models.attention import AttentionState, LayerAttention, build_attention_context
 from torchtitan_rl.models.moe import MoE, RouterStats
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 INIT_STD = 0.02
 
-# Wrapper modules that insert themselves into parameter names (activation checkpointing,
-# torch.compile); seeds are derived from the name without them so wrapping keeps the init.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def unwrapped_name(fqn: str) -> str:
-    """A parameter's name without the prefixes wrapper modules insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
-
 
 def param_seed(seed: int, fqn: str) -> int:
-    """Seed for one parameter's generator: depends on the run seed and the parameter name only."""
-    fqn = unwrapped_name(fqn)
+    """Seed for one parameter's generator: depends on the run seed and the parameter name only.
+
+    Activation checkpointing, compile and FSDP2 keep the module tree (they replace ``forward``
+    or the class of a module), so the names, and with them the seeds, are the same under any
+    of them."""
     return (seed * 0x9E3779B1 + zlib.crc32(fqn.encode())) % (2**63)
 
 
@@ -96,7 +83,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        attn_context: AttentionContext,
+        attention: LayerAttention,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
@@ -106,7 +93,7 @@ class Attention(nn.Module):
         cos, sin = rotary
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
-        out = packed_attention(q, k, v, attn_context)
+        out = attention(q, k, v)
         return self.wo(out.reshape(num_tokens, -1))
 
 
@@ -125,7 +112,7 @@ class FeedForward(nn.Module):
 
 class TransformerBlock(nn.Module):
     """Pre-norm residual block, attention then SwiGLU; the vision tower reuses it with its own
-    attention module (``attention(x, rotary, attn_context)``)."""
+    attention module (``attention(x, rotary, layer_attention)``)."""
 
     def __init__(self, attention: nn.Module, dim: int, hidden_dim: int, norm_eps: float):
         super().__init__()
@@ -134,8 +121,8 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(dim, hidden_dim)
         self.ffn_norm = RMSNorm(dim, norm_eps)
 
-    def forward(self, x, rotary, attn_context):
-        x = x + self.attention(self.attention_norm(x), rotary, attn_context)
+    def forward(self, x, rotary, attention: LayerAttention):
+        x = x + self.attention(self.attention_norm(x), rotary, attention)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -164,16 +151,28 @@ class MoETransformerBlock(nn.Module):
         )
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, rotary, attn_context, moe_context: MoEContext):
-        x = x + self.attention(self.attention_norm(x), rotary, attn_context)
+    def forward(self, x, rotary, attention: LayerAttention, moe_context: MoEContext):
+        x = x + self.attention(self.attention_norm(x), rotary, attention)
         out, counts, prob_sums, z_sums = self.moe(
             self.ffn_norm(x), moe_context.seq_ids, moe_context.router_mask, moe_context.num_seqs
         )
         return x + out, counts, prob_sums, z_sums
 
 
-def _identity(tokens: torch.Tensor) -> torch.Tensor:
-    return tokens
+@dataclass(frozen=True)
+class TokenShard:
+    """Which tokens of the micro-batch this rank's residual stream holds: chunk ``rank`` of
+    ``degree`` equal chunks (sequence-parallel TP, see ``parallelize.apply_tp``); the whole
+    micro-batch when ``degree`` is 1."""
+
+    rank: int = 0
+    degree: int = 1
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a per-token tensor of the whole micro-batch (dim 0 = tokens)."""
+        if self.degree == 1:
+            return values
+        return values.chunk(self.degree)[self.rank]
 
 
 class Qwen3Model(nn.Module):
@@ -192,13 +191,19 @@ class Qwen3Model(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        # Builds the per-forward mask data from (backend, seq_ids, positions). Parallelism
-        # may swap it (context parallel attends to keys gathered from other ranks).
-        self.attention_context_builder = build_attention_context
-        # Maps a per-token tensor of the whole micro-batch to the tokens this rank's residual
-        # stream holds. Identity here; under sequence-parallel TP the parallelize code sets it
-        # to this rank's chunk, so that the MoE metadata lines up with the MoE input.
-        self.shard_tokens: Callable[[torch.Tensor], torch.Tensor] = _identity
+        # The tokens this rank's residual stream holds: all of them unless sequence-parallel
+        # TP shards them (``set_token_shard``).
+        self.token_shard = TokenShard()
+
+    def set_token_shard(self, token_shard: TokenShard) -> None:
+        """Declare which tokens the residual stream holds (the TP parallelize step does), so
+        that per-token metadata (MoE routing, image features) lines up with it."""
+        self.token_shard = token_shard
+
+    def shard_tokens(self, values: torch.Tensor) -> torch.Tensor:
+        """The rows of a per-token tensor of the whole micro-batch that this rank's residual
+        stream holds."""
+        return self.token_shard(values)
 
     def forward(
         self,
@@ -207,23 +212,30 @@ class Qwen3Model(nn.Module):
         seq_ids: torch.Tensor,
         router_mask: torch.Tensor | None = None,
         num_seqs: int | None = None,
+        *,
+        attention: AttentionState | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """Final-normed hidden states ``[T, dim]`` of a packed micro-batch; for an MoE model
-        ``(hidden, RouterStats)`` (see ``decode`` for ``router_mask`` and ``num_seqs``).
+        ``(hidden, RouterStats)`` (see ``run_layers`` for ``router_mask``, ``num_seqs`` and
+        ``attention``).
 
         Logits are left to the caller (``self.output``), which applies them in token chunks
         so that ``[T, vocab]`` is never materialized at once.
         """
         check_packed_inputs(tokens, positions, seq_ids)
-        return self.decode(self.tok_embeddings(tokens), positions, seq_ids, router_mask, num_seqs)
+        return self.run_layers(
+            self.tok_embeddings(tokens), positions, seq_ids, router_mask, num_seqs, attention=attention
+        )
 
-    def decode(
+    def run_layers(
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
         seq_ids: torch.Tensor,
         router_mask: torch.Tensor | None = None,
         num_seqs: int | None = None,
+        *,
+        attention: AttentionState | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """The decoder stack on input embeddings ``h [T, dim]``: final-normed hidden ``[T, dim]``,
         and for an MoE model also the ``RouterStats`` of its MoE layers.
@@ -233,20 +245,23 @@ class Qwen3Model(nn.Module):
         (bool, default all true) marks the real tokens whose routing the statistics count;
         ``num_seqs`` (default ``max(seq_ids) + 1``, a host sync) sizes their sequence axis and
         should be passed whenever ``seq_ids`` may not show the last sequence (context parallel).
-        Dense models ignore both.
+        Dense models ignore both. ``attention`` (``models.attention.AttentionState``) is what the
+        layers attend with: by default plain packed attention under ``args.attn_backend``;
+        context parallel and a generator's KV cache pass their own.
         """
         # Only h's rank is checked: under sequence-parallel TP it holds this rank's share of
         # the T tokens, while positions and seq_ids describe all of them.
         if h.dim() != 2 or positions.dim() != 1 or seq_ids.shape != positions.shape:
             raise ValueError(
-                "decode takes h [T, dim] and 1-D positions, seq_ids of equal length, got "
+                "run_layers takes h [T, dim] and 1-D positions, seq_ids of equal length, got "
                 f"{tuple(h.shape)}, {tuple(positions.shape)}, {tuple(seq_ids.shape)}"
             )
-        attn_context = self.attention_context_builder(self.args.attn_backend, seq_ids, positions)
+        if attention is None:
+            attention = build_attention_context(self.args.attn_backend, seq_ids, positions)
         rotary = rotary_cos_sin(positions, self.args.head_dim, self.args.rope_theta, h.dtype)
         if not self.args.is_moe:
-            for layer in self.layers.values():
-                h = layer(h, rotary, attn_context)
+            for name, layer in self.layers.items():
+                h = layer(h, rotary, attention.for_layer(int(name)))
             return self.norm(h)
 
         moe_context = self._moe_context(h, seq_ids, router_mask, num_seqs)
@@ -254,11 +269,12 @@ class Qwen3Model(nn.Module):
         # Layer kinds from the args, not isinstance: wrappers (activation checkpointing,
         # compile) hide the block class.
         for name, layer in self.layers.items():
+            layer_attention = attention.for_layer(int(name))
             if self.args.is_moe_layer(int(name)):
-                h, *layer_stats = layer(h, rotary, attn_context, moe_context)
+                h, *layer_stats = layer(h, rotary, layer_attention, moe_context)
                 stats.append(layer_stats)
             else:
-                h = layer(h, rotary, attn_context)
+                h = layer(h, rotary, layer_attention)
         counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
         return self.norm(h), RouterStats(counts=counts, prob_sums=prob_sums, z_sums=z_sums)
 

@@ -12,10 +12,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtitan_rl.distributed.context_parallel import cp_attention_context_builder
 from torchtitan_rl.distributed.fsdp import apply_fsdp
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from torchtitan_rl.models.qwen3.model import TokenShard
 
 
 def parallelize_qwen3(
@@ -25,8 +25,10 @@ def parallelize_qwen3(
     reduce_dtype: torch.dtype,
     extra_fsdp_units: list[nn.Module] = (),
 ) -> None:
-    """Tensor parallel first (it changes parameters into TP DTensors), context parallel
-    (attention only: parameters are untouched), then FSDP2 on top, sharding over dp_shard × cp.
+    """Tensor parallel first (it changes parameters into TP DTensors), then FSDP2 on top,
+    sharding over dp_shard × cp. Context parallel leaves the model as it is: the engine gives
+    each forward its CP share of the tokens and an attention state whose keys are gathered
+    over ``cp`` (``models.attention.cp_attention_context``).
 
     ``extra_fsdp_units`` are modules outside the decoder (a vision tower's blocks) that get
     their own FSDP groups before the decoder blocks, in forward order."""
@@ -34,9 +36,6 @@ def parallelize_qwen3(
     if tp_mesh is not None:
         check_tp_divisibility(model.args, tp_mesh.size())
         apply_tp(model, tp_mesh)
-    cp_mesh = parallel_dims.mesh("cp")
-    if cp_mesh is not None:
-        model.attention_context_builder = cp_attention_context_builder(cp_mesh)
     expert_mesh = parallel_dims.expert_mesh()
     experts = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
     if expert_mesh is not None and experts:
@@ -86,9 +85,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         # Both layers shard the [vocab, dim] weight over the vocabulary (Shard(0)), so the
         # tied weight can stay one parameter: parallelize_module replaced each separately.
         model.output.weight = model.tok_embeddings.weight
-    # Per-token metadata of the residual stream (MoE routing) follows its token shard.
-    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
-    model.shard_tokens = lambda values: values.chunk(tp)[rank]
+    # Per-token metadata of the residual stream (MoE routing, image features) follows its
+    # token shard: Shard(0) over tp gives rank r the r-th of tp equal chunks.
+    model.set_token_shard(TokenShard(rank=tp_mesh.get_local_rank(), degree=tp_mesh.size()))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _moe_plan() if hasattr(block, "moe") else _dense_mlp_plan())
         parallelize_module(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rl.models.attention import AttentionContext, build_attention_context, packed_attention
+from torchtitan_rl.models.attention import LayerAttention, build_attention_context
 from torchtitan_rl.models.qwen3.model import RMSNorm, TransformerBlock, apply_rotary
 from torchtitan_rl.models.vision.args import VisionArgs
 
@@ -94,7 +94,7 @@ class VisionAttention(nn.Module):
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn_context: AttentionContext
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attention: LayerAttention
     ) -> torch.Tensor:
         num_patches = x.shape[0]
         # -1 heads: a tensor-parallel plan may give each rank a share of the heads.
@@ -102,7 +102,7 @@ class VisionAttention(nn.Module):
         k = self.wk(x).view(num_patches, -1, self.head_dim)
         v = self.wv(x).view(num_patches, -1, self.head_dim)
         cos, sin = rotary
-        out = packed_attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, attn_context)
+        out = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v)
         return self.wo(out.reshape(num_patches, -1))
 
 
@@ -136,6 +136,6 @@ class VisionTransformer(nn.Module):
         attn_context = build_attention_context(self.args.attn_backend, image, index, causal=False)
         h = self.ln_pre(self.patch_embedding(patches))
         rotary = axial_rotary_cos_sin(rows, cols, self.args.head_dim, self.args.rope_theta, h.dtype)
-        for layer in self.layers.values():
-            h = layer(h, rotary, attn_context)
+        for name, layer in self.layers.items():
+            h = layer(h, rotary, attn_context.for_layer(int(name)))
         return h

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, RMSNorm, check_packed_inputs, unwrapped_name
+from torchtitan_rl.models.attention import AttentionState
+from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, RMSNorm, check_packed_inputs
 from torchtitan_rl.models.vision.model import VisionTransformer, check_grids
 from torchtitan_rl.models.vlm.args import VLMModelArgs
 
@@ -103,9 +104,12 @@ class VLMModel(Qwen3Model):
         positions: torch.Tensor,
         seq_ids: torch.Tensor,
         vision: VisionInputs | None = None,
+        *,
+        attention: AttentionState | None = None,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, dim]``, as ``Qwen3Model.forward``; ``vision=None``
-        is text only."""
+        is text only. ``attention`` is the language model's (``Qwen3Model.run_layers``): the
+        vision tower always attends within each image."""
         check_packed_inputs(tokens, positions, seq_ids)
         h = self.tok_embeddings(tokens)
         if vision is not None:
@@ -122,12 +126,11 @@ class VLMModel(Qwen3Model):
                 _check_vision_index(index, features.shape[0])
             # Under sequence-parallel TP the residual stream holds this rank's token shard only.
             h = self.merge_vision_features(h, features, self.shard_tokens(index))
-        return self.decode(h, positions, seq_ids)
+        return self.run_layers(h, positions, seq_ids, attention=attention)
 
     @torch.no_grad()
     def init_param_(self, fqn: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Fill ``tensor`` (the full-shape parameter named ``fqn``) in place from ``generator``."""
-        fqn = unwrapped_name(fqn)
         if not fqn.startswith(("vision_tower.", "projector.")):
             return super().init_param_(fqn, tensor, generator)
         *_, module_name, param_name = fqn.split(".")

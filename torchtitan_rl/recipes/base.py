@@ -1,13 +1,15 @@
-"""The SFT recipe: builds the pieces from a JobConfig and runs the step loop.
+"""What every recipe builds from a JobConfig: the process group and parallel dims, the model
+(arguments from a named flavor or an HF ``config.json``), its dtype, the engine, the checkpointer
+and the metrics.
 
-The trainer knows mini-batches only; micro-batching, meshes and devices are the engine's.
+A recipe knows mini-batches only; micro-batching, meshes and devices are the engine's. Its life
+is ``Recipe(...)`` (build: nothing is loaded and no step runs), ``setup()`` (restore a checkpoint,
+or prepare a fresh run), ``train()`` and ``close()``; ``train.py`` drives it.
 """
 
 import dataclasses
 import logging
-from abc import ABC, abstractmethod
 import os
-import time
 
 import torch
 from torch import nn
@@ -15,20 +17,16 @@ from torch import nn
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
 from torchtitan_rl.config.manager import HF_FLAVOR, check_model_settings, hf_config_dir
-from torchtitan_rl.data.datasets import load_rows
-from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
 from torchtitan_rl.data.vision_samples import VisionDataConfig
 from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_rl.distributed.compile import apply_compile
-from torchtitan_rl.distributed.init import init_weights_layout_invariant
+from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
-from torchtitan_rl.losses.loss_fns import LossFn, loss_fn_from_config
-from torchtitan_rl.losses.reduction import GROUPED_MODES, NUM_TOKENS, SUM_SQUARED_SEQ_LENS
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
@@ -105,11 +103,23 @@ def hf_flavor_args(job_config: JobConfig, spec, attn_backend: str):
     return args
 
 
-def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: int, param_dtype: torch.dtype,
-                freeze_vision: bool = False, ac_mode: str = "none", ac_every: int = 1,
-                compile_backend=None) -> nn.Module:
+def build_model(
+    args,
+    *,
+    parallel_dims: ParallelDims,
+    device: torch.device,
+    seed: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    freeze_vision: bool = False,
+    ac_mode: str = "none",
+    ac_every: int = 1,
+    compile_backend=None,
+) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout.
 
+    ``param_dtype`` / ``reduce_dtype``: FSDP's mixed-precision policy (compute and gradient
+    reduction dtypes).
     ``ac_mode`` / ``ac_every``: activation checkpointing of the transformer blocks
     (``distributed.activation_checkpoint``). ``compile_backend``: torch.compile the blocks
     with this backend, a name or a callable (``distributed.compile``); None leaves them eager.
@@ -124,10 +134,15 @@ def build_model(args, parallel_dims: ParallelDims, device: torch.device, seed: i
         # Before activation checkpointing, which then recomputes the compiled forward.
         apply_compile(model.blocks(), compile_backend)
     apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
-    spec.parallelize(model, parallel_dims, param_dtype, torch.float32)
+    spec.parallelize(model, parallel_dims, param_dtype, reduce_dtype)
     model.to_empty(device=device)
     init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
     return model
+
+
+# Gradients are reduced in float32 whatever the compute dtype: a sum over many ranks in bf16
+# would lose the exactness the loss weights buy.
+REDUCE_DTYPES = {"float32": torch.float32}
 
 
 def compute_dtype(job_config: JobConfig, device: torch.device) -> torch.dtype:
@@ -142,6 +157,7 @@ def build_engine(
     parallel_dims: ParallelDims,
     device: torch.device,
     tokenizer: Tokenizer,
+    *,
     num_optimizer_steps: int,
     temperature: float = 1.0,
 ):
@@ -151,8 +167,16 @@ def build_engine(
     dtype = compute_dtype(job_config, device)
     ac, compile_config = job_config.activation_checkpoint, job_config.compile
     model = build_model(
-        model_args, parallel_dims, device, job_config.debug.seed, dtype, job_config.model.freeze_vision,
-        ac.mode, ac.selective_every, compile_config.backend if compile_config.enable else None,
+        model_args,
+        parallel_dims=parallel_dims,
+        device=device,
+        seed=job_config.debug.seed,
+        param_dtype=dtype,
+        reduce_dtype=REDUCE_DTYPES[job_config.training.mixed_precision_reduce],
+        freeze_vision=job_config.model.freeze_vision,
+        ac_mode=ac.mode,
+        ac_every=ac.selective_every,
+        compile_backend=compile_config.backend if compile_config.enable else None,
     )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
@@ -160,19 +184,8 @@ def build_engine(
     optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation)
     lr_scheduler = build_lr_scheduler(optimizer, num_optimizer_steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
     horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
-    options = EngineOptions(
-        reduction=job_config.loss.reduction,
-        horizon=horizon,
-        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        logits_chunk_size=job_config.loss.logits_chunk_size,
-        max_norm=t.max_norm,
-        loss_parallel=not job_config.parallelism.disable_loss_parallel,
-        temperature=temperature,
-        vision=vision_packing(model_args),
-        max_patches_per_microbatch=t.max_patches_per_microbatch,
-        router=router_loss_config(job_config) if model_args.is_moe else None,
-    )
-    return Engine(model, optimizer, lr_scheduler, parallel_dims, device, options, autocast_dtype), model_args
+    options = EngineOptions(reduction=job_config.loss.reduction, horizon=horizon, max_tokens_per_microbatch=t.max_tokens_per_microbatch, logits_chunk_size=job_config.loss.logits_chunk_size, max_norm=t.max_norm, loss_parallel=not job_config.parallelism.disable_loss_parallel, temperature=temperature, vision=vision_packing(model_args), max_patches_per_microbatch=t.max_patches_per_microbatch, router=router_loss_config(job_config) if model_args.is_moe else None)
+    return Engine(model, optimizer=optimizer, lr_scheduler=lr_scheduler, parallel_dims=parallel_dims, device=device, options=options, autocast_dtype=autocast_dtype), model_args
 
 
 def vision_packing(model_args) -> VisionPacking | None:
@@ -209,40 +222,49 @@ def vision_data_config(job_config: JobConfig, model_args) -> VisionDataConfig | 
     )
 
 
-def sft_loss_fn(job_config: JobConfig) -> LossFn:
-    """The ``[loss]`` of an SFT run; SFT rows carry no advantages, log-probs or prompt groups."""
-    loss = job_config.loss
-    if loss.loss_fn != "cross_entropy":
-        raise ValueError(
-            f"loss.loss_fn: {loss.loss_fn!r} needs advantages and sampler log-probs, which SFT data "
-            "does not have; SFT trains with 'cross_entropy'"
-        )
-    if loss.kl_coef > 0:
-        raise ValueError("loss.kl_coef: the KL penalty needs reference log-probs, which SFT data does not have")
-    if loss.reduction in GROUPED_MODES:
-        raise ValueError(f"loss.reduction: {loss.reduction!r} weighs prompt groups, which SFT data does not have")
-    return loss_fn_from_config(loss)
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What a recipe has before any collective: enough to read and check its data, so that a
+    user mistake in the data is reported on every rank before a rank waits for another."""
+
+    job_config: JobConfig
+    rank: int
+    device: torch.device
+    parallel_dims: ParallelDims  # meshes not built yet
+    tokenizer: Tokenizer
 
 
-class Trainer(ABC):
-    """What every recipe builds, in an order that reports user mistakes (config, data) before
-    any collective: the process group and meshes, the tokenizer, the engine (model, optimizer,
-    LR schedule), metrics, memory profiling and the train state. Recipes add their data and
-    checkpoints."""
+def start_run(job_config: JobConfig) -> RunContext:
+    """Join the process group, check the layout, seed, and read the tokenizer."""
+    rank, world_size, device = init_distributed(job_config.comm.init_timeout_seconds)
+    parallel_dims = build_parallel_dims(job_config, world_size)
+    torch.manual_seed(job_config.debug.seed)
+    if job_config.debug.deterministic:
+        torch.use_deterministic_algorithms(True)
+    tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+    return RunContext(job_config, rank, device, parallel_dims, tokenizer)
 
-    def __init__(self, job_config: JobConfig, num_optimizer_steps: int, temperature: float = 1.0):
+
+class Recipe:
+    """What every recipe builds once its data is read: the meshes, the engine (model, optimizer,
+    LR schedule), the resolved config file, metrics, memory profiling and the train state.
+
+    A recipe's constructor reads its data from ``start_run``'s context, then calls this one, then
+    builds its loader and ``self.checkpointer``. Loading a checkpoint is ``setup()``'s job.
+    """
+
+    def __init__(self, run: RunContext, *, num_optimizer_steps: int, temperature: float = 1.0):
+        job_config = run.job_config
         self.job_config = job_config
-        self.rank, world_size, self.device = init_distributed(job_config.comm.init_timeout_seconds)
-        self.parallel_dims = build_parallel_dims(job_config, world_size)
-        torch.manual_seed(job_config.debug.seed)
-        if job_config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
-        self.tokenizer = build_tokenizer(job_config.model.hf_assets_path)
-        self.load_data()
-
+        self.rank, self.device, self.parallel_dims, self.tokenizer = run.rank, run.device, run.parallel_dims, run.tokenizer
         self.parallel_dims.build_meshes(self.device.type)
         self.engine, self.model_args = build_engine(
-            job_config, self.parallel_dims, self.device, self.tokenizer, num_optimizer_steps, temperature
+            job_config,
+            self.parallel_dims,
+            self.device,
+            self.tokenizer,
+            num_optimizer_steps=num_optimizer_steps,
+            temperature=temperature,
         )
         if self.rank == 0:
             write_resolved_config(job_config, os.path.join(job_config.job.dump_folder, "config.toml"))
@@ -252,7 +274,7 @@ class Trainer(ABC):
             self.parallel_dims,
             self.device,
             self.rank,
-            os.path.join(job_config.job.dump_folder, m.save_tb_folder) if m.enable_tensorboard else None,
+            tb_folder=os.path.join(job_config.job.dump_folder, m.save_tb_folder) if m.enable_tensorboard else None,
             num_params=sum(p.numel() for p in self.engine.model.parameters()),
             flops_per_token_context=6 * args.n_layers * args.n_heads * args.head_dim,
         )
@@ -260,100 +282,53 @@ class Trainer(ABC):
             job_config.profiling, job_config.job.dump_folder, self.parallel_dims, self.rank, self.device
         )
         self.train_state = TrainState()
-
-    @abstractmethod
-    def load_data(self) -> None:
-        """Read and check the recipe's data (runs before any collective)."""
+        self.checkpointer: CheckpointManager | None = None
 
     def build_checkpointer(self, dataloader, extra_models: dict | None = None) -> CheckpointManager:
         """Checkpoints of the engine's state, ``dataloader``'s position and ``extra_models``."""
         return CheckpointManager(
             self.job_config.checkpoint,
-            self.job_config.job.dump_folder,
-            self.engine.model,
-            self.engine.optimizer,
-            self.engine.lr_scheduler,
-            dataloader,
-            self.train_state,
-            self.model_args,
+            dump_folder=self.job_config.job.dump_folder,
+            model=self.engine.model,
+            optimizer=self.engine.optimizer,
+            lr_scheduler=self.engine.lr_scheduler,
+            dataloader=dataloader,
+            train_state=self.train_state,
+            model_args=self.model_args,
             tokenizer_dir=self.job_config.model.hf_assets_path,
             extra_models=extra_models,
         )
 
+    def setup(self) -> bool:
+        """Restore the latest checkpoint, if any; True when the run resumes."""
+        if self.checkpointer.load():
+            logger.info("resuming after step %d", self.train_state.step)
+            return True
+        return False
+
+    def train(self) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
-        """Finish the asynchronous work the trainer started: a background checkpoint write (and
-        its group), then TensorBoard's writer thread. The process groups outlive the trainer:
+        """Finish the asynchronous work the recipe started: a background checkpoint write (and
+        its group), then TensorBoard's writer thread. The process groups outlive the recipe:
         ``shutdown_distributed`` tears them down once nothing references it."""
         try:
-            self.checkpointer.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
         finally:
             self.metrics.close()
 
 
-class SFTTrainer(Trainer):
-    def __init__(self, job_config: JobConfig):
-        self.loss_fn = sft_loss_fn(job_config)
-        super().__init__(job_config, num_optimizer_steps=job_config.training.steps)
-        t = job_config.training
-        self.dataloader = build_sft_dataloader(
-            self.rows,
-            self.tokenizer,
-            t.seq_len,
-            t.global_batch_size,
-            t.long_sample_policy,
-            job_config.debug.seed,
-            self.parallel_dims.batch_rank(),
-            self.parallel_dims.batch_degree,
-            vision=vision_data_config(job_config, self.model_args),
-            balance_dp_compute=t.balance_dp_compute,
-            prefetch=t.dataset_prefetch,
-        )
-        self.checkpointer = self.build_checkpointer(self.dataloader)
-        if self.checkpointer.load():
-            logger.info("resuming after step %d", self.train_state.step)
-
-    def load_data(self) -> None:
-        t = self.job_config.training
-        check_divisible_by_data_parallel("training.global_batch_size", t.global_batch_size, self.parallel_dims)
-        cache_dir = t.dataset_cache_dir or os.path.join(self.job_config.job.dump_folder, "dataset_cache")
-        self.rows = load_rows(t.dataset, t.dataset_path, t.dataset_split, t.num_synthetic_samples, self.job_config.debug.seed,
-                              cache_dir=cache_dir, cache_timeout_s=t.dataset_cache_timeout_seconds)
-
-    def train(self) -> None:
-        log_freq = self.job_config.metrics.log_freq
-        steps = self.job_config.training.steps
-        data_iter = iter(self.dataloader)
-        window_start = time.perf_counter()
-        window_tokens = window_squared_lens = 0
-        first = self.train_state.step + 1
-        logger.info("training steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
-        for step in range(first, steps + 1):
-            samples = next(data_iter)
-            with self.memory_profiler.step(step):
-                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options)
-                optim = self.engine.optim_step()
-            window_tokens = window_tokens + fb.counts[NUM_TOKENS]
-            window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
-            self.train_state.step = step
-            # Summed on the host only when a checkpoint is written.
-            self.train_state.tokens_seen = self.train_state.tokens_seen + fb.counts[NUM_TOKENS]
-            if step % log_freq == 0 or step == first or step == steps:
-                self.metrics.log(
-                    step,
-                    fb,
-                    optim,
-                    window_tokens,
-                    window_squared_lens,
-                    time.perf_counter() - window_start,
-                    {**self.dataloader.dataset.stats(), **self.dataloader.dataset.balance_stats()},
-                )
-                window_start = time.perf_counter()
-                window_tokens = window_squared_lens = 0
-            self.checkpointer.maybe_save(step, last=step == steps)
-        self.checkpointer.wait()
-
-    def close(self) -> None:
-        try:
-            self.dataloader.dataset.close()  # its prefetch thread
-        finally:
-            super().close()
+def describe_os_error(err: OSError, job_config: JobConfig) -> str:
+    """``err`` with the config keys whose path it failed on, e.g. a cache directory that is a file."""
+    failed = [os.path.abspath(name) for name in (err.filename, err.filename2) if name]
+    keys = [
+        f"{section.name}.{field.name} = {value!r}"
+        for section in dataclasses.fields(job_config)
+        for field in dataclasses.fields(getattr(job_config, section.name))
+        if isinstance(value := getattr(getattr(job_config, section.name), field.name), str)
+        and value
+        and any(path == os.path.abspath(value) or path.startswith(os.path.abspath(value) + os.sep) for path in failed)
+    ]
+    return f"{err} (from {', '.join(keys)})" if keys else str(err)

@@ -1,7 +1,7 @@
 """The GRPO recipe: sample completions of a task's prompts, reward them with its verifier, and
 train on group advantages with the engine's layout-exact RL loss.
 
-Per step (DESIGN §11): refresh the generator's replica from the policy; take the step's
+Per step: refresh the generator's replica from the policy; take the step's
 prompts from the global stream; every data-parallel rank generates ``group_size`` completions
 of its share (its CP / TP peers split that work and exchange the rollouts); reward and
 compute advantages; optionally recompute the policy's log-probs before the update (π_old) and
@@ -42,7 +42,15 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.tasks import build_task
-from torchtitan_rl.trainer import Trainer, build_model, check_divisible_by_data_parallel, compute_dtype
+from torchtitan_rl.recipes.base import (
+    REDUCE_DTYPES,
+    Recipe,
+    RunContext,
+    build_model,
+    check_divisible_by_data_parallel,
+    compute_dtype,
+    start_run,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +59,14 @@ _BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
 _WARMUP_POOL_SIZE = 4096  # distinct problems of a built-in task for the SFT warm-up, at most
 
 
-class GRPOTrainer(Trainer):
+class GRPORecipe(Recipe):
     def __init__(self, job_config: JobConfig):
         self.loss_fn = loss_fn_from_config(job_config.loss)
         rl, generation = job_config.rl, job_config.generation
+        run = start_run(job_config)
+        self._read_task(run)
         super().__init__(
-            job_config,
+            run,
             num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
             temperature=generation.temperature,
         )
@@ -69,38 +79,50 @@ class GRPOTrainer(Trainer):
         self.reference = self._build_reference() if rl.use_reference else None
         extra = {"reference": self.reference.model} if self.reference is not None else None
         self.checkpointer = self.build_checkpointer(self.stream, extra)
-        if self.checkpointer.load():
-            logger.info("resuming after step %d", self.train_state.step)
-            return
-        if rl.sft_warmup_steps and not job_config.checkpoint.initial_load_path:
+
+    def setup(self) -> bool:
+        """Resume from the latest checkpoint; or, on a fresh run, the SFT warm-up (unless the run
+        starts from a checkpoint of its own) and the reference := the policy RL starts from."""
+        if super().setup():
+            return True
+        if self.job_config.rl.sft_warmup_steps and not self.job_config.checkpoint.initial_load_path:
             self._sft_warmup()
         if self.reference is not None:
-            # The reference is the policy RL starts from.
             with torch.no_grad():
                 for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
                     ref.copy_(param)
+        return False
 
-    def load_data(self) -> None:
-        cfg = self.job_config
+    def _read_task(self, run: RunContext) -> None:
+        """The task's prompts, tokenized and checked against the layout and ``training.seq_len``
+        (before any collective)."""
+        cfg = run.job_config
         rl, generation = cfg.rl, cfg.generation
+        dims = run.parallel_dims
         per_minibatch = rl.prompts_per_step // rl.num_minibatches
-        if per_minibatch % self.parallel_dims.batch_degree != 0:
+        if per_minibatch % dims.batch_degree != 0:
             raise ValueError(
                 f"rl.prompts_per_step={rl.prompts_per_step} / rl.num_minibatches={rl.num_minibatches} = "
                 f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
-                f"{self.parallel_dims.batch_degree} (dp_replicate * dp_shard)"
+                f"{dims.batch_degree} (dp_replicate * dp_shard)"
             )
         if rl.sft_warmup_steps:
-            check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, self.parallel_dims)
+            check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
         num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
         self.task = build_task(
-            rl.task, path=rl.task_path, num_train=num_train, num_eval=rl.num_eval_prompts,
-            seed=cfg.debug.seed, partial_credit=rl.partial_credit, format_reward=rl.format_reward,
+            rl.task,
+            path=rl.task_path,
+            num_train=num_train,
+            num_eval=rl.num_eval_prompts,
+            seed=cfg.debug.seed,
+            partial_credit=rl.partial_credit,
+            format_reward=rl.format_reward,
             answer_match=rl.answer_match,
         )
-        self.stop_token_ids = tuple(self._stop_token_id(token) for token in generation.stop_tokens)
-        self.train_prompts = [tokenize_prompt(list(p.messages), self.tokenizer) for p in self.task.train_problems]
-        self.eval_prompts = [tokenize_prompt(list(p.messages), self.tokenizer) for p in self.task.eval_problems]
+        tokenizer = run.tokenizer
+        self.stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
+        self.train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in self.task.train_problems]
+        self.eval_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in self.task.eval_problems]
         problems = [*self.task.train_problems, *self.task.eval_problems]
         for problem, prompt in zip(problems, [*self.train_prompts, *self.eval_prompts]):
             if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
@@ -109,18 +131,19 @@ class GRPOTrainer(Trainer):
                     f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
                 )
 
-    def _stop_token_id(self, token: str) -> int:
-        token_id = self.tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
-        return token_id
-
     def _build_reference(self) -> Engine:
         """A frozen copy of the policy, sharded like it; used only through ``Engine.forward``."""
         dims, cfg = self.parallel_dims, self.job_config
-        model = build_model(self.model_args, dims, self.device, cfg.debug.seed, compute_dtype(cfg, self.device))
+        model = build_model(
+            self.model_args,
+            parallel_dims=dims,
+            device=self.device,
+            seed=cfg.debug.seed,
+            param_dtype=compute_dtype(cfg, self.device),
+            reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
+        )
         model.requires_grad_(False)
-        return Engine(model, None, None, dims, self.device, self.engine.options, self.engine.autocast_dtype)
+        return Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=self.device, options=self.engine.options, autocast_dtype=self.engine.autocast_dtype)
 
     def _sft_warmup(self) -> None:
         """SFT on the task's own prompts and answers with a throw-away AdamW, so RL starts from
@@ -132,12 +155,19 @@ class GRPOTrainer(Trainer):
         )
         scheduler = build_lr_scheduler(optimizer, rl.sft_warmup_steps, 0, "linear", 0.1)
         options = dataclasses.replace(self.engine.options, reduction="token_mean", temperature=1.0)
-        engine = Engine(self.engine.model, optimizer, scheduler, self.parallel_dims, self.device, options,
-                        self.engine.autocast_dtype)
-        loader = iter(build_sft_dataloader(
-            self._warmup_rows(), self.tokenizer, t.seq_len, rl.sft_warmup_batch_size, "truncate", cfg.debug.seed,
-            self.parallel_dims.batch_rank(), self.parallel_dims.batch_degree,
-        ))
+        engine = Engine(self.engine.model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=self.parallel_dims, device=self.device, options=options, autocast_dtype=self.engine.autocast_dtype)
+        loader = iter(
+            build_sft_dataloader(
+                self._warmup_rows(),
+                self.tokenizer,
+                seq_len=t.seq_len,
+                global_batch_size=rl.sft_warmup_batch_size,
+                long_sample_policy="truncate",
+                seed=cfg.debug.seed,
+                batch_rank=self.parallel_dims.batch_rank(),
+                batch_degree=self.parallel_dims.batch_degree,
+            )
+        )
         logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
         for step in range(1, rl.sft_warmup_steps + 1):
             values = self.metrics.reduce_update(engine.forward_backward(next(loader)), engine.optim_step())
@@ -172,7 +202,14 @@ class GRPOTrainer(Trainer):
             if evaluate:
                 values.update(self.evaluate(step))
             self.train_state.step = step
-            self.metrics.emit(step, values, values.pop("tokens/trained"), 0.0, values["time/step_s"], {})
+            self.metrics.emit(
+                step,
+                values,
+                window_tokens=values.pop("tokens/trained"),
+                window_squared_lens=0.0,
+                window_seconds=values["time/step_s"],
+                data_stats={},
+            )
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
 
@@ -209,7 +246,7 @@ class GRPOTrainer(Trainer):
 
         with _timed(times, "train"):
             updates, terms, num_trained = self._update(minibatches)
-        values.update(_combine_updates(updates) or self._no_update_values())
+        values.update(combine_updates(updates) or self._no_update_values())
         if terms:
             merged = LossMetrics.combine(terms).reduce(dims.mesh("loss"))
             values.update({tag: float(value) for tag, value in merged.items()})
@@ -331,6 +368,13 @@ class GRPOTrainer(Trainer):
                 "eval/sampled_pass@1": float(sums[3]) / n, "time/eval_s": time.perf_counter() - start}
 
 
+def _stop_token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
+    return token_id
+
+
 @contextlib.contextmanager
 def _timed(times: dict[str, float], phase: str):
     start = time.perf_counter()
@@ -338,7 +382,7 @@ def _timed(times: dict[str, float], phase: str):
     times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
 
 
-def _combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     """One step's values from its optimizer steps (loss, grad norm, lr, token counts): token
     counts add up, the largest loss stays the largest, everything else is the mean."""
     combined = {}
