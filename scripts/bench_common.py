@@ -157,7 +157,8 @@ def run_train(overrides: list[str], ranks: int | None = 2, dump_folder: str | No
         cmd = [*launcher(ranks), os.path.join(ROOT, "train.py"), *overrides, "--metrics.enable_tensorboard", "true",
                "--metrics.save_tb_folder", "tb", "--job.dump_folder", dump]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=ROOT, env=launch_env(env), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=launch_env(env), capture_output=True, text=True,
+                              timeout=timeout)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"train.py failed (exit status {proc.returncode}): {shlex.join(cmd)}\n"
@@ -176,7 +177,7 @@ def launch_workers(script: str, ranks: int, args: list[str], env: dict | None = 
     cmd = [*launcher(ranks), os.path.abspath(script), "--worker", *args]
     error = ""
     for attempt in range(retries + 1):
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=launch_env(env))
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=launch_env(env))
         results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
         if proc.returncode == 0 and results:
             return json.loads(results[0][len(RESULT_PREFIX):])

@@ -1,37 +1,30 @@
 """Per-block torch.compile (inductor) on CPU, measured: compile cost, step time, recompiles.
 
-    .venv/bin/python scripts/benchmark_compile.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_compile.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_compile.py --no-write # print only
 
 One process, float32. For each model: ``Engine.forward_backward`` + ``optim_step`` on
 mini-batches of documents of random lengths packed into micro-batches of at most ``budget``
 tokens (so every micro-batch has its own length), eager and with ``compile.enable``
 (``build_model(compile_backend=...)``), alternating for ``--repeats`` steps after the first
-(which compiles). Reports the first step's time, the median of the others, and how many
+(which compiles, timed alone). Reports the first step's time, the median of the others, and how many
 graphs inductor compiled in all steps (counted around the backend).
 """
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
-import sys
 import time
 
 import torch
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torch._dynamo.testing import CompileCounterWithBackend
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmark_docs import publish  # noqa: E402
-from torchtitan_rl.data.sample import Sample  # noqa: E402
-from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
-from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
-from torchtitan_rl.optim import build_lr_scheduler, build_optimizer  # noqa: E402
-from torchtitan_rl.recipes.base import build_model  # noqa: E402
+from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.recipes.base import build_model
 
 
 def minibatch(vocab: int, num_docs: int, max_len: int, seed: int) -> list[Sample]:
@@ -50,30 +43,39 @@ def measure(name: str, model_args, num_docs: int, max_len: int, budget: int, rep
     counter = CompileCounterWithBackend("inductor")
     engines = {}
     for variant, backend in (("eager", None), ("compiled", counter)):
-        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32, compile_backend=backend)
+        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32,
+                            compile_backend=backend)
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
-        engines[variant] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=budget, logits_chunk_size=1024, max_norm=1.0))
-    first, times = {}, {variant: [] for variant in engines}
-    for step in range(repeats + 1):
-        batch = minibatch(model_args.vocab_size, num_docs, max_len, seed=step)
-        for variant in engines if step % 2 == 0 else reversed(list(engines)):
-            start = time.perf_counter()
-            engines[variant].forward_backward(batch)
-            engines[variant].optim_step()
-            elapsed = time.perf_counter() - start
-            if step == 0:
-                first[variant] = elapsed
-            else:
-                times[variant].append(elapsed)
-    median = {variant: statistics.median(values) for variant, values in times.items()}
+        options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=budget,
+                                logits_chunk_size=1024, max_norm=1.0)
+        engines[variant] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device,
+                                  options=options)
+    # Every variant takes the same sequence of mini-batches, one new batch per step.
+    batches = [minibatch(model_args.vocab_size, num_docs, max_len, seed=step) for step in range(repeats + 1)]
+
+    def stepper(engine: Engine):
+        pending = iter(batches)
+
+        def step():
+            engine.forward_backward(next(pending))
+            engine.optim_step()
+        return step
+
+    steps = {variant: stepper(engine) for variant, engine in engines.items()}
+    first = {}
+    for variant, step in steps.items():  # the compiling step, timed on its own
+        start = time.perf_counter()
+        step()
+        first[variant] = time.perf_counter() - start
+    median = time_alternating(steps, repeats, warmup=0)
     return {"name": name, "first": first, "median": median, "graphs": counter.frame_count, "steps": repeats + 1}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "compile")
     args = parser.parse_args()
     debug = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend="sdpa_loop")
     wide = dataclasses.replace(qwen3_flavors["0.6B"], n_layers=2, vocab_size=4096, attn_backend="sdpa_loop")
@@ -82,25 +84,24 @@ def main() -> None:
         ("2 layers of 0.6B's width, vocab 4096; 8 documents of 128-512 tokens, micro-batches of <= 1024",
          wide, 8, 512, 1024),
     ]
-    results = [measure(name, model_args, docs, max_len, budget, args.repeats) for name, model_args, docs, max_len, budget in cases]
-    shown = "python scripts/benchmark_compile.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
-    lines = [
-        f"## Per-block torch.compile (inductor) on CPU ({datetime.date.today()})",
+    results = [measure(name, model_args, docs, max_len, budget, args.repeats)
+               for name, model_args, docs, max_len, budget in cases]
+    body = [
+        ("One process, float32, `Engine.forward_backward` + `optim_step`; every step is a new mini-batch, so "
+         "micro-batch lengths differ throughout. First step: eager vs compiling; graphs: how many inductor compiled "
+         "over all steps (no recompile per micro-batch length):"),
         "",
-        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        "shared with other jobs (medians of alternating steps).",
-        "",
-        "One process, float32, `Engine.forward_backward` + `optim_step`; every step is a new mini-batch, so "
-        "micro-batch lengths differ throughout. First step: eager vs compiling; graphs: how many inductor compiled "
-        "over all steps (no recompile per micro-batch length):",
-        "",
-        "| model and data | first step: eager / compiled | step time: eager | step time: compiled | graphs compiled (steps) |",
-        "|---|---|---|---|---|",
-        *(f"| {r['name']} | {r['first']['eager']:.1f} s / {r['first']['compiled']:.1f} s "
-          f"| {r['median']['eager'] * 1e3:.0f} ms | {r['median']['compiled'] * 1e3:.0f} ms "
-          f"({r['median']['eager'] / r['median']['compiled']:.2f}x speed) | {r['graphs']} ({r['steps']}) |" for r in results),
+        *markdown_table(
+            ["model and data", "first step: eager / compiled", "step time: eager", "step time: compiled",
+             "graphs compiled (steps)"],
+            [[r["name"], f"{r['first']['eager']:.1f} s / {r['first']['compiled']:.1f} s",
+              f"{r['median']['eager'] * 1e3:.0f} ms",
+              f"{r['median']['compiled'] * 1e3:.0f} ms ({ratio(r['median']['eager'], r['median']['compiled'])} speed)",
+              f"{r['graphs']} ({r['steps']})"] for r in results],
+        ),
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "Per-block torch.compile", "Compile cost, step time and recompiles of per-block `torch.compile` "
+            "(inductor) against eager, on micro-batches of ever-new lengths.", body)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Per-rank peak memory of context parallel on ONE long packed sequence: the loss path and a
 training step, at cp in {1, 2, 4}, for the CP-local loss and for a loss that all-gathers logits.
 
-    .venv/bin/python scripts/benchmark_context_parallel.py            # measure, append to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_context_parallel.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_context_parallel.py --no-write
     .venv/bin/python scripts/benchmark_context_parallel.py --parts loss --cp 1 4 --no-write   # a subset
+
+(A subset run that writes its page replaces the whole page's tables with the subset's.)
 
 Every (part, cp) runs in fresh ``torchrun`` processes, one per CP rank (gloo on CPU, NCCL on
 CUDA: one GPU per rank), which run the variants one after the other:
 
 - ``local``: the library's CP-local loss: each rank computes the log-probs of its own zigzag
-  share of the tokens with ``token_logprobs`` in checkpointed chunks of ``--chunk`` tokens;
+  share of the tokens with ``token_loss`` in chunks of ``--chunk`` tokens;
 - ``local_unchunked``: the same code with one chunk holding all of the rank's tokens;
 - ``gather``: the loss before CP-local losses (AReaL's old way): each rank computes its local
   logits ``[T/cp, V]``, all-gathers them over ``cp`` with an autograd all-gather (backward =
@@ -33,19 +35,14 @@ that of the same (profiled) step, the slowest rank's.
 """
 
 import argparse
-import datetime
 import gc
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
 
 import torch
-
-from benchmark_docs import publish
-from benchmark_loss_path import launch
+from bench_common import add_publish_args, launch_workers, markdown_table, print_result, publish
 
 VARIANTS = ("local", "local_unchunked", "gather")
 PARTS = ("loss", "step")
@@ -137,8 +134,10 @@ def _train_step(args, variant, dims, device):
     scheduler = build_lr_scheduler(optimizer, 100, 0, "linear", 0.0)
     autocast_dtype = param_dtype if (dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
     chunk = args.tokens if variant == "local_unchunked" else args.chunk
-    options = EngineOptions(reduction="token_mean", horizon=args.tokens, max_tokens_per_microbatch=0, logits_chunk_size=chunk, max_norm=1.0)
-    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options, autocast_dtype=autocast_dtype)
+    options = EngineOptions(reduction="token_mean", horizon=args.tokens, max_tokens_per_microbatch=0,
+                            logits_chunk_size=chunk, max_norm=1.0)
+    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device,
+                    options=options, autocast_dtype=autocast_dtype)
     if variant == "gather":
         def gathered_token_losses(mb):
             with engine._autocast():
@@ -190,7 +189,7 @@ def worker(args) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank == 0:
-        print("RESULT " + json.dumps(results), flush=True)
+        print_result(results)
 
 
 def _available_bytes() -> int | None:
@@ -216,10 +215,10 @@ def run(part: str, cp: int, args, on_cuda: bool) -> dict:
                                           f"fit ({available / 2**30:.0f} GiB available)"}
     worker_args = [f"--part={part}", "--variants", *variants, f"--tokens={args.tokens}", f"--dim={args.dim}",
                    f"--vocab={args.vocab}", f"--chunk={args.chunk}", f"--attn-backend={args.attn_backend}"]
-    result = launch(__file__, cp, worker_args, env={"OMP_NUM_THREADS": "1"}) if variants else {}
+    result = launch_workers(__file__, cp, worker_args) if variants else {}
     if "error" in result:
         result = {variant: result for variant in variants}
-    print(f"  {part} cp={cp}: {json.dumps(result)}", file=sys.stderr, flush=True)
+    print(f"  {part} cp={cp}: {result}", file=sys.stderr, flush=True)
     return {**result, **skipped}
 
 
@@ -234,25 +233,22 @@ def _ratio(a: dict | None, b: dict | None) -> str:
 
 
 def table(part: str, results: dict, cps: list[int], args) -> list[str]:
-    lines = [
-        "| cp | tokens per rank | CP-local, chunked | CP-local, unchunked | all-gather logits "
-        "| chunked cp/cp=1 | unchunked cp/cp=1 | chunked / all-gather | unchunked / all-gather |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for cp in cps:
         row = {v: results.get((part, v, cp)) for v in VARIANTS}
-        cells = [_fmt(row[v]) if row[v] else "not run" for v in VARIANTS]
-        lines.append(
-            f"| {cp} | {args.tokens // cp} | {' | '.join(cells)} "
-            f"| {_ratio(row['local'], results.get((part, 'local', 1)))} "
-            f"| {_ratio(row['local_unchunked'], results.get((part, 'local_unchunked', 1)))} "
-            f"| {_ratio(row['local'], row['gather'])} | {_ratio(row['local_unchunked'], row['gather'])} |"
-        )
-    return lines
+        rows.append([
+            cp, args.tokens // cp, *(_fmt(row[v]) if row[v] else "not run" for v in VARIANTS),
+            _ratio(row["local"], results.get((part, "local", 1))),
+            _ratio(row["local_unchunked"], results.get((part, "local_unchunked", 1))),
+            _ratio(row["local"], row["gather"]), _ratio(row["local_unchunked"], row["gather"]),
+        ])
+    return markdown_table(["cp", "tokens per rank", "CP-local, chunked", "CP-local, unchunked", "all-gather logits",
+                           "chunked cp/cp=1", "unchunked cp/cp=1", "chunked / all-gather", "unchunked / all-gather"],
+                          rows)
 
 
 def target_lines(results: dict, cps: list[int]) -> list[str]:
-    """The issue's target: loss-path peak at the largest cp within 0.3x of cp=1, below all-gather."""
+    """The target set for CP-local losses: loss-path peak at the largest cp within 0.3x of cp=1, below all-gather."""
     top = 4
     if 1 not in cps or top not in cps:
         return []
@@ -268,7 +264,7 @@ def target_lines(results: dict, cps: list[int]) -> list[str]:
             vs = _ratio(r, gather)
             vs_text = "" if vs == "—" else f"; {vs}x the all-gather variant's {gather['peak_gib'] * 1024:.0f} MiB"
             lines.append(f"- {part}, CP-local {name}: cp={top} / cp=1 = {ratio} ({verdict} the 0.3x target){vs_text}.")
-    head = (f"Target (the issue's, for the loss path: per-rank peak at cp={top} within 0.3x of cp=1 and below the "
+    head = (f"Target (for the loss path: per-rank peak at cp={top} within 0.3x of cp=1 and below the "
             "all-gather variant; the training step is held to the same bar for comparison):")
     return ([head, ""]
             + lines + [""]) if lines else []
@@ -288,7 +284,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per loss chunk of the chunked path")
     parser.add_argument("--attn-backend", default="sdpa_loop", choices=("sdpa_loop", "sdpa_dense", "flex"),
                         help="attention of the training step (flex: CUDA only)")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not append to docs/benchmarks.md")
+    add_publish_args(parser, "context_parallel")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -309,36 +305,31 @@ def main() -> None:
     minutes = (time.perf_counter() - started) / 60
 
     if on_cuda:
-        device = f"{torch.cuda.get_device_name()}, NCCL"
         method = "allocator peak (`torch.cuda.max_memory_allocated`) above the memory allocated before the step"
     else:
-        device = f"CPU only, {os.cpu_count()} cores, gloo, OMP_NUM_THREADS=1 per rank"
         method = ("peak of the bytes allocated during the step and still alive, from the PyTorch profiler's "
                   "allocation events (`profile_memory=True`, `torchtitan_rl.profiling.cpu_memory_timeline`; "
                   "tensors that existed before the step, parameters and optimizer state, are not counted)")
-    command = "`" + " ".join([".venv/bin/python scripts/benchmark_context_parallel.py",
-                              *(a for a in sys.argv[1:] if a != "--no-write")]) + "`"
-    lines = [
-        f"## Context parallel memory on one long sequence, {datetime.date.today().isoformat()} "
-        f"({platform.machine()}, {device}, torch {torch.__version__}, {platform.platform()})",
-        "",
-        f"Command: {command} ({minutes:.0f} min). One packed sequence of {args.tokens} tokens split "
-        f"zigzag over cp ranks; vocab {args.vocab}; chunked = {args.chunk}-token checkpointed chunks, "
-        "unchunked = one chunk holding every local token; all-gather logits = local logits "
-        "all-gathered over cp (autograd) before an unchunked loss. Per-rank peak memory, the largest over "
-        f"the cp ranks, of the step after one warm-up: {method}. Times are of that profiled step, slowest "
-        "rank" + ("" if on_cuda else f"; with more ranks than the {os.cpu_count()} cores they share them") + ".",
+    body = [
+        (f"{'NCCL, one GPU per rank' if on_cuda else 'gloo, one thread per rank'}; {minutes:.0f} min in all. One "
+         f"packed sequence of {args.tokens} tokens split zigzag over cp ranks; vocab {args.vocab}; chunked = "
+         f"{args.chunk}-token chunks, unchunked = one chunk holding every local token; all-gather logits = local "
+         "logits all-gathered over cp (autograd) before an unchunked loss. Per-rank peak memory, the largest over "
+         f"the cp ranks, of the step after one warm-up: {method}. Times are of that profiled step, slowest rank"
+         + ("" if on_cuda else f"; with more ranks than the {os.cpu_count()} cores they share them") + "."),
         "",
     ]
     if "loss" in args.parts:
-        lines += [f"Loss path (output head + log-probs + backward from the rank's hidden states, dim {args.dim}):", ""]
-        lines += table("loss", results, args.cp, args) + [""]
+        body += [f"Loss path (output head + log-probs + backward from the rank's hidden states, dim {args.dim}):", ""]
+        body += table("loss", results, args.cp, args) + [""]
     if "step" in args.parts:
-        lines += [f"Training step (`Engine.forward_backward` + `optim_step`, `debugmodel` Qwen3 with vocab "
-                  f"{args.vocab}, `{args.attn_backend}` attention, parameters FSDP-sharded over cp):", ""]
-        lines += table("step", results, args.cp, args) + [""]
-    lines += target_lines(results, args.cp)
-    publish(lines, write=not args.no_write)
+        body += [(f"Training step (`Engine.forward_backward` + `optim_step`, `debugmodel` Qwen3 with vocab "
+                  f"{args.vocab}, `{args.attn_backend}` attention, parameters FSDP-sharded over cp):"), ""]
+        body += table("step", results, args.cp, args) + [""]
+    body += target_lines(results, args.cp)
+    publish(args, "Context parallel memory on one long sequence", "Per-rank peak memory and time of the loss path "
+            "and of a training step at cp = 1, 2, 4: CP-local losses (chunked, unchunked) against all-gathered "
+            "logits.", body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Data at scale, measured: per-rank peak RSS and start-up time on a 1M-row JSONL, 2 ranks.
 
     git worktree add --detach /tmp/data_before <commit before the change>
-    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before --no-write # print only
 
 Writes ``--rows`` chat rows (the SFT ``messages`` format, answers of varying length) to a
@@ -21,10 +21,8 @@ processes mapping them). Variants, alternating for ``--repeats`` rounds:
 """
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -32,10 +30,8 @@ import subprocess
 import sys
 import time
 
-from benchmark_docs import publish
+from bench_common import ROOT, add_publish_args, collect_alternating, launch_env, markdown_table, publish
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 WORLD_SIZE = 2
 
 
@@ -118,7 +114,7 @@ def launch(tree: str, dataset: str, cache: str, prefetch: bool, args) -> list[di
     launch_time = time.time()
     procs = []
     for rank in range(WORLD_SIZE):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), OMP_NUM_THREADS="1")
+        env = launch_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE)})
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--dataset", dataset, "--cache", cache,
                "--launch-time", repr(launch_time), "--seq-len", str(args.seq_len), "--global-batch-size",
                str(args.global_batch_size), "--steps", str(args.steps), "--step-ms", str(args.step_ms)]
@@ -148,7 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--step-ms", type=float, default=200)
     parser.add_argument("--workdir", default="/tmp/benchmark_data")
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "data")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tree", help=argparse.SUPPRESS)
     parser.add_argument("--dataset", help=argparse.SUPPRESS)
@@ -165,59 +161,59 @@ def main() -> None:
     if not os.path.exists(dataset):
         write_dataset(dataset, args.rows)
     cache = os.path.join(args.workdir, "cache")
-    variants = {"cold": (REPO, True), "warm, no prefetch": (REPO, False), "warm, prefetch": (REPO, True)}
+    variants = {"cold": (ROOT, True), "warm, no prefetch": (ROOT, False), "warm, prefetch": (ROOT, True)}
     if args.before:
         variants = {"before": (os.path.abspath(args.before), False), **variants}
-    results: dict[str, list[list[dict]]] = {name: [] for name in variants}
-    for round_index in range(args.repeats):
-        for name, (tree, prefetch) in variants.items():
-            if name == "cold":
-                shutil.rmtree(cache, ignore_errors=True)
-            results[name].append(launch(tree, dataset, cache, prefetch, args))
-            print(round_index, name, results[name][-1], flush=True)
+
+    def run(name: str) -> list[dict]:
+        tree, prefetch = variants[name]
+        if name == "cold":
+            shutil.rmtree(cache, ignore_errors=True)
+        # The warm variants re-use the file of the first round's cold run, whatever the order.
+        ranks = launch(tree, dataset, cache, prefetch, args)
+        print(name, ranks, flush=True)
+        return ranks
+
+    if "cold" in variants and not os.path.isdir(cache):
+        run("cold")  # the warm variants of the first round need a prepared file; not counted
+    results = collect_alternating({name: (lambda name=name: run(name)) for name in variants}, args.repeats)
     arrow_size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".arrow"))
 
     def median(name: str, rank: int, key: str) -> float:
         return statistics.median(run[rank][key] for run in results[name])
 
-    lines = [
-        f"## Data at scale: 1 memory-mapped copy per node, prefetch ({datetime.date.today().isoformat()})",
+    rows = [[name, rank, gib(median(name, rank, "VmHWM")),
+             f"{gib(median(name, rank, 'RssAnon'))} / {gib(median(name, rank, 'RssFile'))} / "
+             f"{gib(median(name, rank, 'Pss'))}",
+             f"{median(name, rank, 'startup_s'):.1f} s", f"{median(name, rank, 'load_s'):.1f} s",
+             f"{median(name, rank, 'step_ms'):.0f} ms / {median(name, rank, 'wait_ms'):.1f} ms"]
+            for name in variants for rank in range(WORLD_SIZE)]
+    body = [
+        (f"{args.rows:,} chat rows in one JSONL ({os.path.getsize(dataset) / 2**20:.0f} MiB; prepared Arrow file "
+         f"{arrow_size / 2**20:.0f} MiB), 2 rank processes of one node, byte tokenizer, global batch "
+         f"{args.global_batch_size}, seq_len {args.seq_len}; medians of {args.repeats} alternating rounds. Start-up: "
+         f"process start to the first mini-batch. Step: {args.steps} steps of {args.step_ms:.0f} ms of "
+         "single-threaded matmuls (when alone) plus `next`; wait: the time in `next`. RssFile pages are shared "
+         "(the one Arrow copy in the page cache); Pss divides them among the ranks mapping them. `before` is "
+         "`--before`'s tree (here a worktree of the commit before the memory-mapped copy)."),
         "",
-        f"Command: `.venv/bin/python scripts/benchmark_data.py --before /tmp/data_before` (a worktree of the commit "
-        f"before the change) — machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}, shared with other jobs.",
-        "",
-        f"{args.rows:,} chat rows in one JSONL ({os.path.getsize(dataset) / 2**20:.0f} MiB; prepared Arrow file "
-        f"{arrow_size / 2**20:.0f} MiB), 2 rank processes of one node, byte tokenizer, global batch "
-        f"{args.global_batch_size}, seq_len {args.seq_len}; medians of {args.repeats} alternating rounds. Start-up: "
-        f"process start to the first mini-batch. Step: {args.steps} steps of {args.step_ms:.0f} ms of "
-        f"single-threaded matmuls (when alone) plus `next`; wait: the time in `next`. RssFile pages are shared "
-        f"(the one Arrow copy in the page cache); Pss divides them among the ranks mapping them.",
-        "",
-        "| variant | rank | peak RSS (VmHWM) | RssAnon / RssFile / Pss at end | start-up | of which load_rows | step / wait |",
-        "|---|---|---|---|---|---|---|",
+        *markdown_table(["variant", "rank", "peak RSS (VmHWM)", "RssAnon / RssFile / Pss at end", "start-up",
+                         "of which load_rows", "step / wait"], rows),
     ]
-    for name in variants:
-        for rank in range(WORLD_SIZE):
-            lines.append(
-                f"| {name} | {rank} | {gib(median(name, rank, 'VmHWM'))} | {gib(median(name, rank, 'RssAnon'))} / "
-                f"{gib(median(name, rank, 'RssFile'))} / {gib(median(name, rank, 'Pss'))} | "
-                f"{median(name, rank, 'startup_s'):.1f} s | {median(name, rank, 'load_s'):.1f} s | "
-                f"{median(name, rank, 'step_ms'):.0f} ms / {median(name, rank, 'wait_ms'):.1f} ms |"
-            )
     if args.before:
         before = max(median("before", r, "VmHWM") for r in range(WORLD_SIZE))
         warm = max(median("warm, prefetch", r, "VmHWM") for r in range(WORLD_SIZE))
         cold = max(median("cold", r, "VmHWM") for r in range(WORLD_SIZE))
-        lines += [
+        body += [
             "",
-            f"Largest per-rank peak RSS: before {gib(before)}, after {gib(cold)} while preparing (cold) and "
-            f"{gib(warm)} re-using ({warm / before:.2f}x). Start-up (slowest rank): before "
-            f"{max(median('before', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, cold "
-            f"{max(median('cold', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, warm "
-            f"{max(median('warm, prefetch', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s.",
+            (f"Largest per-rank peak RSS: before {gib(before)}, after {gib(cold)} while preparing (cold) and "
+             f"{gib(warm)} re-using ({warm / before:.2f}x). Start-up (slowest rank): before "
+             f"{max(median('before', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, cold "
+             f"{max(median('cold', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, warm "
+             f"{max(median('warm, prefetch', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s."),
         ]
-    publish(lines, write=not args.no_write)
+    publish(args, "Data loading at scale", "Per-rank peak memory and start-up of 2 ranks loading a 1M-row JSONL: "
+            "one memory-mapped Arrow copy per node, with and without prefetch.", body)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Independent references shared by the tests: the reduction modes as written in DESIGN §2,
+"""Independent references shared by the tests: the reduction modes as written in docs/design.md ('Loss weights'),
 a clean environment for launching training processes, and the launched ranks' thread count."""
 
 import contextlib

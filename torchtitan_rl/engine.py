@@ -1,7 +1,7 @@
 """The training engine: micro-batching, weighted losses, gradient accumulation, optimizer.
 
 Trainers hand it the rank's share of a mini-batch; it knows meshes, devices and
-micro-batches (DESIGN §7). Gradients of successive ``forward_backward`` calls add up
+micro-batches (docs/design.md, 'Engine and recipes'). Gradients of successive ``forward_backward`` calls add up
 until ``optim_step`` (Tinker semantics).
 """
 
@@ -13,11 +13,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan_rl.data.cp_split import shard_microbatch
 from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, plan_microbatches
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks, shard_microbatch
+from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
@@ -30,6 +31,7 @@ from torchtitan_rl.losses.reduction import (
     token_weights,
 )
 from torchtitan_rl.losses.router import RouterLossConfig, balance_loss, z_loss
+from torchtitan_rl.models.attention import cp_attention_context
 from torchtitan_rl.models.vlm.model import VisionInputs
 
 
@@ -167,6 +169,10 @@ class Engine:
         kwargs = {}
         if mb.image_patches is not None:
             kwargs["vision"] = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
+        cp_mesh = self.parallel_dims.mesh("cp")
+        if cp_mesh is not None:
+            # A CP share attends to the keys of every share of its micro-batch.
+            kwargs["attention"] = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
         if self.options.router is None:
             return self.model(mb.input_ids, mb.positions, mb.seq_ids, **kwargs), None
         # Padding never enters router statistics: how much of it there is depends on the layout.

@@ -1,4 +1,4 @@
-"""Step metrics: exact global reductions, a stdout line and TensorBoard scalars (DESIGN §8)."""
+"""Step metrics: exact global reductions, a stdout line and TensorBoard scalars (docs/design.md, 'Metrics')."""
 
 import logging
 import resource
@@ -32,7 +32,7 @@ class MetricsLogger:
     """Turns device-resident step results into logged numbers, on log steps only.
 
     ``log`` is the only place that synchronizes with the host; the reductions below follow
-    DESIGN §8: loss pieces are summed over the ``loss`` mesh, counts were already summed
+    docs/design.md, 'Metrics': loss pieces are summed over the ``loss`` mesh, counts were already summed
     over ``batch`` by the engine, TP replicas are never summed.
     """
 

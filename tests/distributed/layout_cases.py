@@ -23,12 +23,18 @@ ADAM_EPS = 1e-4
 VOCAB = 64
 
 
-def model_args(tie_embeddings: bool = False) -> Qwen3ModelArgs:
+def model_args(tie_embeddings: bool = False, attn_backend: str = "sdpa_dense") -> Qwen3ModelArgs:
     # Heads, KV heads (GQA 2:1), hidden units and vocabulary all divide by tp = 4.
     return Qwen3ModelArgs(
         vocab_size=VOCAB, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=48,
-        tie_embeddings=tie_embeddings, max_seq_len=64, attn_backend="sdpa_dense",
+        tie_embeddings=tie_embeddings, max_seq_len=64, attn_backend=attn_backend,
     )
+
+
+# Layouts run with sdpa_dense (the reference backend: one boolean mask over the micro-batch)
+# are also run with sdpa_varlen, the default CPU backend, on these composite layouts
+# (dp_shard x cp, dp_shard x tp): CP shares and sequence-parallel shards through its planner.
+VARLEN_LAYOUTS = ((1, 2, 2, 1), (1, 2, 1, 2))
 
 
 # Lengths are deliberately uneven; samples 2 and 3 have no loss token, so with dp=4 rank 1

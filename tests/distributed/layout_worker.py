@@ -44,10 +44,15 @@ def share(samples, dims: ParallelDims):
     return samples[r * n : (r + 1) * n]
 
 
-def run_layout(dims: ParallelDims, tie: bool, results: dict, cases) -> None:
+def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend: str = "sdpa_dense") -> None:
+    """Every case on this layout; keys start with the layout's name, ``_tied`` for tied
+    embeddings and ``_varlen`` for the sdpa_varlen backend."""
     device = torch.device("cpu")
-    model = build_model(lc.model_args(tie), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
+    model = build_model(
+        lc.model_args(tie, attn_backend), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32
+    )
     prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}" + ("_tied" if tie else "")
+    prefix += {"sdpa_dense": "", "sdpa_varlen": "_varlen"}[attn_backend]
     results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
@@ -181,19 +186,49 @@ AC_LAYOUTS = ((1, 2, 1, 1), (1, 2, 1, 2))
 AC_CASE = ("cross_entropy", "token_mean", 24, ("uneven",), False)
 
 
+def count_forwards(model) -> dict[str, list[int]]:
+    """{"blocks": runs of each block, "model": runs of the whole model}, updated as it runs.
+
+    A block is counted by a pre-hook on its first submodule, which the checkpoint's
+    recomputation calls again (it calls the block's original ``forward``, so a hook on the
+    block itself would not fire); the final norm runs once per micro-batch, never recomputed.
+    """
+    runs = {"blocks": [0] * len(model.blocks()), "model": [0]}
+
+    def counter(counts: list[int], i: int):
+        return lambda module, args: counts.__setitem__(i, counts[i] + 1)
+
+    for i, block in enumerate(model.blocks()):
+        block.attention_norm.register_forward_pre_hook(counter(runs["blocks"], i))
+    model.norm.register_forward_pre_hook(counter(runs["model"], 0))
+    return runs
+
+
 def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
-    """The AC_CASE's gradients with every block recomputed, and with every second one."""
+    """The AC_CASE's gradients with every block recomputed, and with every second one, and
+    how often each block ran (a checkpointed block runs again in backward)."""
     layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     if layout not in AC_LAYOUTS:
         return
     device = torch.device("cpu")
     for mode, every in (("full", 1), ("selective", 2)):
-        model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, ac_mode=mode, ac_every=every)
+        model = build_model(
+            lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32,
+            ac_mode=mode, ac_every=every,
+        )
+        runs = count_forwards(model)
         _, mode_name, budget, _, _ = AC_CASE
-        options = EngineOptions(reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=0.0)
+        options = EngineOptions(
+            reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16,
+            max_norm=0.0,
+        )
         engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
         engine.forward_backward(share(lc.global_batch(AC_CASE[3][0]), dims))
-        results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+        results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {
+            "grads": {fqn: full(p.grad) for fqn, p in model.named_parameters()},
+            "block_runs": runs["blocks"],
+            "micro_batches": runs["model"][0],
+        }
 
 
 # (dp_replicate, dp_shard, cp, tp) layouts that also run with every block compiled. The
@@ -224,6 +259,8 @@ def run_all_layouts(world_size: int) -> dict:
         rl_cases = RL_CASES if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
         # RL cases first: the last SFT case steps the optimizer.
         run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if composite else CASES))
+        if (dp_replicate, dp_shard, cp, tp) in lc.VARLEN_LAYOUTS:
+            run_layout(dims, False, results, COMPOSITE_CASES, attn_backend="sdpa_varlen")
         if dp_replicate == 1:
             run_layout(dims, True, results, TIED_CASES)
         if 1 < tp == world_size:

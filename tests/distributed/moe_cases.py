@@ -40,7 +40,7 @@ AUX_ONLY = "aux_only"
 AUX_ONLY_CONFIG = RouterLossConfig(aux_loss_coef=1.0)
 MICROBATCH = "microbatch_pooled"
 MICROBATCH_CONFIG = RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="microbatch", aux_loss_layers="pooled")
-ROUTER_STD = 1.0  # FINDINGS: HF's 0.02 leaves top-k near-ties that float noise flips
+ROUTER_STD = 1.0  # HF's init std of 0.02 leaves top-k near-ties that float noise flips
 
 
 def model_args() -> Qwen3ModelArgs:

@@ -3,7 +3,7 @@ AdamW step do not depend on the layout (dp 1/2/4, tp 2, cp 2, dp2 x cp2), the mi
 budgets (tokens and vision patches) or DP compute balancing.
 
 The reference runs every sample alone, unpacked, through the VLM in one process (its images
-through the vision tower on their own) and applies the reduction formulas of DESIGN §2.
+through the vision tower on their own) and applies the reduction formulas of docs/design.md ('Loss weights').
 """
 
 import functools

@@ -222,6 +222,10 @@ BAD_INPUT = {
         ["training.dataset_path='/nonexistent.jsonl'", "does not exist"]),
     # Two ranks: rank 1 waits for local rank 0 to prepare the file, and reports what it found.
     "malformed_jsonl": (2, ["--training.dataset_path", "{malformed}"], ["malformed JSON", "{malformed}", "line 2"]),
+    # An OS error on a configured path (here a cache directory that is a file) names the key.
+    "cache_dir_is_a_file": (
+        None, ["--training.dataset_path", "{malformed}", "--training.dataset_cache_dir", "{malformed}"],
+        ["training.dataset_cache_dir = '{malformed}'", "{malformed}"]),
     "context_parallel_not_dividing_world": (
         2, ["--parallelism.context_parallel_degree", "3"],
         ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"]),

@@ -6,6 +6,7 @@ import logging
 import operator
 import random
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_rl.data import shapes as shapes_task
 from torchtitan_rl.data import vision_samples
@@ -326,6 +328,23 @@ def test_resume_through_stateful_dataloader_is_exact():
     assert resumed.dataset.stats() == uninterrupted.dataset.stats()
 
 
+def test_building_iterating_and_resuming_the_loader_warns_nothing():
+    # The premise: torchdata's loader calls torch's deprecated set_vital when built.
+    with pytest.warns(UserWarning, match="'set_vital' is deprecated"):
+        StatefulDataLoader([0], batch_size=None)
+    kwargs = dict(seq_len=12, global_batch_size=4, long_sample_policy="drop", seed=3, batch_rank=0, batch_degree=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = build_sft_dataloader(STREAM_ROWS, TOKENIZER, **kwargs)
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        resumed = build_sft_dataloader(STREAM_ROWS, TOKENIZER, **kwargs)
+        resumed.load_state_dict(loader.state_dict())
+        next(iter(resumed))
+    assert [f"{w.category.__name__}: {w.message}" for w in caught] == []
+
+
 def test_loader_state_is_rank_independent():
     whole = make_loader(STREAM_ROWS, global_batch_size=4)
     for _ in range(3):
@@ -619,16 +638,29 @@ def test_text_runs_have_no_vision_counters():
         (image_chat([{"type": "image", "image": b"garbage"}]), VISION, r"dataset row 0 image 0 \(message 0 part 0\): cannot decode 7 bytes"),
         ({"text": "<image><image>", "images": [b"x"]}, VISION, r"dataset row 0: .*2 '<image>' markers but its 'images' list has 1"),
         (image_chat([{"type": "image", "image": solid_png(400, 2)}]), VISION, r"dataset row 0 image 0 .*: a 400x2 image cannot fit in max_image_tokens=16"),
+        (image_chat([{"type": "image", "image": solid_png(2000, 10)}]), dataclasses.replace(VISION, max_patches_per_side=80),
+         r"dataset row 0 image 0 .*: a 2000x10 image \(scaled down to 320x1 .*\) cannot fit in max_image_tokens=16"),
         (image_chat([{"type": "image", "image": solid_png(8, 8)}]), None, r"dataset row 0 has 1 image\(s\) but the model has no vision tower"),
         (image_chat([{"type": "image", "image": solid_png(64, 64)}, {"type": "image", "image": solid_png(64, 64)}]),
          dataclasses.replace(VISION, max_patches_per_microbatch=100),
          r"dataset row 0: its 2 image\(s\) have 128 vision patches, more than training.max_patches_per_microbatch=100"),
     ],
-    ids=["missing-file", "undecodable", "marker-count", "cannot-fit", "text-model", "over-patch-budget"],
+    ids=["missing-file", "undecodable", "marker-count", "cannot-fit", "cannot-fit-scaled", "text-model", "over-patch-budget"],
 )
 def test_image_row_errors_name_the_row(row, vision, message):
     loader = SFTDataLoader([row], TOKENIZER, 512, 1, "drop", 0, 0, 1, vision=vision)
     with pytest.raises(ValueError, match=message):
+        next(loader)
+
+
+def test_an_image_url_is_refused_naming_the_file_and_line(tmp_path):
+    url = "https://example.com/cat.png"
+    rows = [{"text": "plain"}, {"text": "<image> a cat", "images": [url]}]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    loaded = load_rows("", str(tmp_path / "rows.jsonl"), "train", 0, 0)
+    loader = SFTDataLoader(loaded, TOKENIZER, 512, 2, "drop", 0, 0, 1, vision=VISION)
+    where = re.escape(f"dataset row 1 ({tmp_path / 'rows.jsonl'}:2) image 0 (text, images[0])")
+    with pytest.raises(ValueError, match=rf"{where}: image '{re.escape(url)}' is a URL; images must be local files"):
         next(loader)
 
 

@@ -1,5 +1,6 @@
 import io
 import math
+import os
 import random
 import re
 from fractions import Fraction
@@ -298,8 +299,10 @@ def test_load_errors_name_the_image(tmp_path):
 def test_a_url_is_refused_as_a_url(tmp_path, monkeypatch, url):
     # Even where a local file has the URL's name, the URL is not looked up as a path.
     monkeypatch.chdir(tmp_path)
-    (tmp_path / url.split("://")[0] + ":").mkdir()
-    random_image(4, 4).save(tmp_path / url.replace("://", ":/", 1).lstrip("/"))
+    local = tmp_path / url.replace("://", ":/", 1)  # e.g. ./https:/example.com/cat.png
+    local.parent.mkdir(parents=True)
+    random_image(4, 4).save(local, format="PNG")
+    assert os.path.isfile(url)
     message = rf"row 4 image 0: image '{re.escape(url)}' is a URL; images must be local files .* or inline data"
     for source in [url, {"bytes": None, "path": url}]:
         with pytest.raises(ValueError, match=message):

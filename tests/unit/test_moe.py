@@ -14,7 +14,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from torchtitan_rl.models.moe import GroupedExperts, MoE, RouterStats, grouped_mm_supported
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, find_flavor, qwen3_flavors
-from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model
+from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, TokenShard
 from torchtitan_rl.models.qwen3.state_dict_adapter import (
     expert_hf_keys,
     from_hf,
@@ -27,7 +27,7 @@ LENGTHS = [6, 1, 9, 4]
 NUM_PAD = 3
 COEF = 0.1  # balance-loss weight, large enough that its gradient shows
 # Router weights drawn wide, so that the top-k choice has clear margins and float rounding
-# between the two implementations never flips an expert (FINDINGS: HF's 0.02 gives near-ties).
+# between the two implementations never flips an expert (HF's init std of 0.02 leaves top-k near-ties that rounding can flip).
 ROUTER_STD = 0.5
 
 
@@ -371,8 +371,9 @@ def test_dense_model_returns_plain_hidden_and_inputs_are_checked():
         moe(tokens, positions, seq_ids, router_mask.long())
     with pytest.raises(ValueError, match="num_seqs must be a positive int"):
         moe(tokens, positions, seq_ids, num_seqs=0)
-    # shard_tokens maps the metadata to the residual stream's tokens; a mismatch is refused.
-    moe.shard_tokens = lambda t: t[:-1]
+    # shard_tokens maps the metadata to the residual stream's tokens; a mismatch is refused
+    # (half of the tokens' metadata for a residual stream that holds all of them).
+    moe.set_token_shard(TokenShard(rank=0, degree=2))
     with pytest.raises(ValueError, match="shard_tokens"):
         moe(tokens, positions, seq_ids)
 

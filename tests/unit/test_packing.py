@@ -1,4 +1,4 @@
-"""Micro-batch plan and packing (DESIGN §4), checked against brute-force loops over raw tokens."""
+"""Micro-batch plan and packing (docs/design.md, 'Data path'), checked against brute-force loops over raw tokens."""
 
 import random
 

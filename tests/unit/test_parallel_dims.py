@@ -1,4 +1,4 @@
-"""ParallelDims validation (DESIGN §3, §10: errors name the config key) and the DP degree."""
+"""ParallelDims validation (errors name the config key, docs/design.md 'Conventions') and the DP degree."""
 
 import pytest
 
@@ -98,7 +98,7 @@ def test_product_must_equal_world_size():
     for dp_replicate, dp_shard, world_size in [(1, 3, 4), (2, 2, 8), (2, 1, 1), (1, 2, 1), (3, 2, 4)]:
         message = error_of(dp_replicate, dp_shard, 1, 1, world_size=world_size)
         assert str(world_size) in message
-        # DESIGN §10: the message names the config key of every degree that takes part
+        # The message names the config key of every degree that takes part
         # (is not 1), so the user knows which setting to change.
         for dim, value in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
             if value != 1:
@@ -177,7 +177,7 @@ def test_build_parallel_dims_passes_on_layout_errors():
     assert KEYS["dp_shard"] in str(info.value)  # cannot infer dp_shard from 4 / 3
 
 
-@pytest.mark.parametrize("tp, culprit", [(4, "n_kv_heads (2)"), (3, "n_heads (4)"), (8, "n_heads (4)")])
+@pytest.mark.parametrize("tp, culprit", [(4, "n_kv_heads=2"), (3, "n_heads=4"), (8, "n_heads=4")])
 def test_tensor_parallel_degree_must_divide_sharded_model_dims(tp, culprit):
     from torchtitan_rl.models.qwen3.args import qwen3_flavors
     from torchtitan_rl.models.qwen3.parallelize import check_tp_divisibility

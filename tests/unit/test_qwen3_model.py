@@ -6,6 +6,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
+from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_rl.distributed.compile import apply_compile
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import (
@@ -251,11 +253,18 @@ def test_init_rules():
         model.init_param_("layers.0.attention.wq.bias", torch.empty(3), torch.Generator())
 
 
-def test_param_seed_ignores_wrapper_prefixes():
-    assert param_seed(3, "layers.0._checkpoint_wrapped_module.attention.wq.weight") == param_seed(
-        3, "layers.0.attention.wq.weight"
-    )
+def test_param_seed_depends_on_seed_and_name():
     assert param_seed(3, "norm.weight") != param_seed(4, "norm.weight")
+    assert param_seed(3, "norm.weight") != param_seed(3, "layers.0.attention_norm.weight")
+
+
+def test_compile_and_activation_checkpointing_keep_parameter_names():
+    """Init seeds come from parameter names (param_seed): wrapping the blocks must not rename them."""
+    model = Qwen3Model(small_args(tie_embeddings=False))
+    names = [name for name, _ in model.named_parameters()]
+    apply_compile(model.blocks(), backend="eager")
+    apply_activation_checkpointing(model.blocks(), "full")
+    assert [name for name, _ in model.named_parameters()] == names
 
 
 @pytest.mark.parametrize("tie_embeddings", [False, True])

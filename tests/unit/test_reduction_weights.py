@@ -1,4 +1,4 @@
-"""Reduction weights (DESIGN §2) against per-token brute force over simulated DP ranks.
+"""Reduction weights (docs/design.md, 'Loss weights') against per-token brute force over simulated DP ranks.
 
 A layout is a list of ranks, each a list of micro-batches, each a list of sequence indices
 into the raw mini-batch. Ranks are padded to the same number of micro-batches with filler,

@@ -55,13 +55,18 @@ class Model:
 
     image_token: str = "[IMG]"
     """vlm: the placeholder token whose embedding an image feature replaces (one per merged
-    patch), a special token of the tokenizer."""
+    patch), a special token of the tokenizer. With the three defaults ([IMG], [IMG_BREAK],
+    [IMG_END]: Pixtral's, also specials of the byte tokenizer) and a tokenizer that has none of
+    them but Qwen's vision specials (any stock Qwen2.5 / Qwen3 tokenizer.json), Qwen's are used:
+    <|image_pad|>, <|vision_pad|>, <|vision_end|>."""
 
     image_break_token: str = "[IMG_BREAK]"
-    """vlm: the token that ends each row of an image's placeholders."""
+    """vlm: the token that ends each row of an image's placeholders (<|vision_pad|> with a stock
+    Qwen tokenizer, see model.image_token)."""
 
     image_end_token: str = "[IMG_END]"
-    """vlm: the token that ends an image's placeholders (in place of its last row break)."""
+    """vlm: the token that ends an image's placeholders, in place of its last row break
+    (<|vision_end|> with a stock Qwen tokenizer, see model.image_token)."""
 
     hf_assets_path: str = ""
     """Directory with an HF ``tokenizer.json`` (and, for loading weights, ``config.json`` and

@@ -2,7 +2,7 @@
 
 Every rank computes the same assignment from the same costs (pure Python on identical
 inputs, ties broken by index), so no communication is needed. The gradient does not depend
-on the assignment: losses are weighted by global counts (DESIGN §2); only the time the
+on the assignment: losses are weighted by global counts (docs/design.md, 'Loss weights'); only the time the
 fastest ranks wait for the slowest one does.
 """
 

@@ -8,6 +8,7 @@ import torch
 from torchtitan_rl.data.packing import TOKEN_PAD_VALUES, MicroBatch
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 
+
 def microbatch_layout(mb: MicroBatch, cp: int, multiple: int = 1) -> ZigzagLayout:
     """The zigzag layout of a (whole, unsplit) packed micro-batch."""
     segment_lens = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
@@ -31,4 +32,3 @@ def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> M
         seq_ids=layout.seq_ids(rank),
         cp_layout=layout,
     )
-

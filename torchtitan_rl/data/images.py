@@ -149,19 +149,19 @@ def target_size(
             raise ValueError(f"target_size: {name} must be an int >= 1, got {value!r}")
     unit = patch_size * merge_size
     # Errors name the image's own size, which the user can look up, and the scaled one it came to.
-    size = f"{width}x{height}"
+    image = f"{width}x{height} image"
     if max_units_per_side is not None and max(height, width) > max_units_per_side * unit:
         longest = max_units_per_side * unit
         long_side = max(height, width)
         height, width = max(1, height * longest // long_side), max(1, width * longest // long_side)
-        size += f" (scaled down to {width}x{height} for the model's longest image side of {longest} pixels)"
+        image += f" (scaled down to {width}x{height} for the model's longest image side of {longest} pixels)"
     rows, cols = _ceil_div(height, unit), _ceil_div(width, unit)
     if rows * cols <= max_image_tokens:
         return rows * unit, cols * unit
     long_side, short_side = max(height, width), min(height, width)
     if _ceil_div(long_side, short_side) > max_image_tokens:
         raise ValueError(
-            f"a {size} image cannot fit in max_image_tokens={max_image_tokens}: its aspect ratio "
+            f"a {image} cannot fit in max_image_tokens={max_image_tokens}: its aspect ratio "
             f"needs {_ceil_div(long_side, short_side)} tokens with a short side of one "
             f"{unit}-pixel unit (patch_size {patch_size} x merge_size {merge_size}); crop it or raise the limit"
         )

@@ -12,6 +12,7 @@ import atexit
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -314,6 +315,7 @@ def _keep_samples(batch: list[Sample]) -> list[Sample]:
 def build_sft_dataloader(
     rows: Sequence[dict[str, Any]],
     tokenizer: Tokenizer,
+    *,
     seq_len: int,
     global_batch_size: int,
     long_sample_policy: str,
@@ -330,4 +332,8 @@ def build_sft_dataloader(
         rows, tokenizer, seq_len, global_batch_size, long_sample_policy, seed, batch_rank, batch_degree,
         vision=vision, balance_dp_compute=balance_dp_compute, prefetch=prefetch,
     )
-    return StatefulDataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_keep_samples)
+    with warnings.catch_warnings():
+        # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does
+        # nothing now): every run would print that warning once per rank, about nothing of the run.
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(dataset, batch_size=None, num_workers=0, collate_fn=_keep_samples)

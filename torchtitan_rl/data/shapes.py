@@ -9,8 +9,8 @@ token counts vary from sample to sample. The mix (``QUESTION_MIX``):
 - ``count`` (20 %): 1..3 shapes in separate cells of a grid → ``1``, ``2`` or ``3``;
 - ``more`` (15 %): two images of 1..3 shapes with different counts → ``image 1`` / ``image 2``;
 - ``left_right`` (10 %): one shape in the left or right half of a wide image → ``left`` /
-  ``right``. A tiny Pixtral stays at chance on it (no absolute position embedding,
-  FINDINGS "VLM probe"), so its share is small;
+  ``right``. A tiny Pixtral stayed at chance on it in our training runs (it has no absolute
+  position embedding), so its share is small;
 - ``text`` (15 %): the text-only ``arithmetic`` question.
 
 Shapes are drawn without anti-aliasing on a white background, so every pixel has exactly the
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from PIL import Image, ImageDraw
 
-from torchtitan_rl.data.tasks import arithmetic_question
+from torchtitan_rl.data.questions import arithmetic_question
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -47,7 +47,7 @@ QUESTIONS = {
 QUESTION_MIX = (("colour", 0.40), ("count", 0.20), ("more", 0.15), ("left_right", 0.10), ("text", 0.15))
 LONG_SIDE = (48, 192)
 MAX_ASPECT = 4.0
-MIN_COLOUR_SHAPE = 0.7  # shape size / short side of a colour image (FINDINGS: >= 0.7 learns fast)
+MIN_COLOUR_SHAPE = 0.7  # shape size / short side of a colour image (>= 0.7 was learned fast in our runs)
 
 
 def _canvas_size(rng: random.Random, min_aspect: float, max_aspect: float) -> tuple[int, int]:

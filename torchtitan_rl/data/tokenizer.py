@@ -15,10 +15,14 @@ import tokenizers
 EOS_TOKEN = "<|endoftext|>"
 IM_START_TOKEN = "<|im_start|>"
 IM_END_TOKEN = "<|im_end|>"
-# Pixtral / Mistral3 image placeholders (the strings Mistral's tokenizers use).
+# Pixtral / Mistral3 image placeholders (the strings Mistral's tokenizers use): the defaults.
 IMAGE_TOKEN = "[IMG]"
 IMAGE_BREAK_TOKEN = "[IMG_BREAK]"
 IMAGE_END_TOKEN = "[IMG_END]"
+# What a stock Qwen2.5 / Qwen3 tokenizer.json offers in their place (``image_token_strings``): the
+# specials Qwen2-VL reserved for images. Qwen2-VL itself has no row break; its unused
+# <|vision_pad|> takes that role.
+QWEN_IMAGE_TOKENS = ("<|image_pad|>", "<|vision_pad|>", "<|vision_end|>")
 
 
 class Tokenizer(Protocol):
@@ -130,23 +134,50 @@ class ImageTokenIds:
     image_end: int
 
 
+def image_token_strings(
+    tokenizer: Tokenizer,
+    image_token: str = IMAGE_TOKEN,
+    image_break_token: str = IMAGE_BREAK_TOKEN,
+    image_end_token: str = IMAGE_END_TOKEN,
+) -> tuple[str, str, str]:
+    """The image, row-break and end placeholder strings a run uses with ``tokenizer``.
+
+    The given strings, except in one case: when they are the defaults (``[IMG]``,
+    ``[IMG_BREAK]``, ``[IMG_END]``), the tokenizer has none of them and it has all of Qwen's
+    ``QWEN_IMAGE_TOKENS``, those are used (``<|image_pad|>`` per image feature,
+    ``<|vision_pad|>`` ending each row, ``<|vision_end|>`` ending the image), so a stock Qwen
+    tokenizer.json works as it is. Strings set to anything else are used as given.
+    """
+    strings = (image_token, image_break_token, image_end_token)
+    if (
+        strings == (IMAGE_TOKEN, IMAGE_BREAK_TOKEN, IMAGE_END_TOKEN)
+        and all(tokenizer.token_to_id(token) is None for token in strings)
+        and all(tokenizer.token_to_id(token) is not None for token in QWEN_IMAGE_TOKENS)
+    ):
+        return QWEN_IMAGE_TOKENS
+    return strings
+
+
 def image_token_ids(
     tokenizer: Tokenizer,
     image_token: str = IMAGE_TOKEN,
     image_break_token: str = IMAGE_BREAK_TOKEN,
     image_end_token: str = IMAGE_END_TOKEN,
 ) -> ImageTokenIds:
-    """The ids of the three placeholder strings; a string the tokenizer lacks is a ValueError.
+    """The ids of the placeholder strings ``image_token_strings`` picks; a string the tokenizer
+    lacks is a ValueError.
 
     Call it only when images are used: text models' tokenizers usually have none of them.
     """
-    strings = {"image_token": image_token, "image_break_token": image_break_token, "image_end_token": image_end_token}
+    keys = ("image_token", "image_break_token", "image_end_token")
+    strings = dict(zip(keys, image_token_strings(tokenizer, image_token, image_break_token, image_end_token)))
     ids = {key: tokenizer.token_to_id(token) for key, token in strings.items()}
     missing = [f"{key}={strings[key]!r}" for key, token_id in ids.items() if token_id is None]
     if missing:
         raise ValueError(
             f"the tokenizer has no token for {', '.join(missing)}: image placeholders must be single special "
-            "tokens of the tokenizer (add them to its tokenizer.json, or set the model's image token strings)"
+            "tokens of the tokenizer (add them to its tokenizer.json, or set model.image_token / image_break_token "
+            f"/ image_end_token; with the defaults, a tokenizer with Qwen's {', '.join(QWEN_IMAGE_TOKENS)} uses those)"
         )
     if len(set(ids.values())) != 3:
         raise ValueError(f"the image placeholder tokens {strings} must be three different tokens, got ids {ids}")

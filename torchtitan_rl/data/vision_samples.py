@@ -29,6 +29,7 @@ from torchtitan_rl.data.tokenizer import (
     ImageTokenIds,
     Tokenizer,
     image_token_ids,
+    image_token_strings,
 )
 
 
@@ -38,9 +39,10 @@ class VisionDataConfig:
 
     ``patch_size`` pixels per patch side, ``merge_size`` patches per merged feature side,
     ``max_image_tokens`` features per image at most (``images.target_size``), the placeholder
-    token strings, the per-channel normalization, the model's longest image side in patches
-    (None: unbounded), and the vision-patch budget of a micro-batch (0: none), which no
-    sample may exceed since samples are never split.
+    token strings as configured (``token_strings``: those used with a given tokenizer), the
+    per-channel normalization, the model's longest image side in patches (None: unbounded),
+    and the vision-patch budget of a micro-batch (0: none), which no sample may exceed since
+    samples are never split.
     """
 
     patch_size: int
@@ -70,6 +72,10 @@ class VisionDataConfig:
             raise ValueError(f"VisionDataConfig.max_patches_per_side must be >= merge_size, got {self.max_patches_per_side}")
         if any(s <= 0 for s in self.image_std):
             raise ValueError(f"VisionDataConfig.image_std must be > 0, got {self.image_std}")
+
+    def token_strings(self, tokenizer: Tokenizer) -> tuple[str, str, str]:
+        """The placeholder strings used with ``tokenizer`` (``tokenizer.image_token_strings``)."""
+        return image_token_strings(tokenizer, self.image_token, self.image_break_token, self.image_end_token)
 
     def token_ids(self, tokenizer: Tokenizer) -> ImageTokenIds:
         return image_token_ids(tokenizer, self.image_token, self.image_break_token, self.image_end_token)
@@ -125,7 +131,7 @@ class RowPlanner:
         # once a row has an image.
         self._reserved: dict[int, str] = {}
         if vision is not None:
-            for token in (vision.image_token, vision.image_break_token, vision.image_end_token):
+            for token in vision.token_strings(tokenizer):
                 token_id = tokenizer.token_to_id(token)
                 if token_id is not None:
                     self._reserved[token_id] = token

@@ -13,25 +13,23 @@ Two things would otherwise recompile every micro-batch:
   token dimension dynamic when it recompiles them for a second length (at most two compiles
   per graph). ``dynamic=True`` would avoid that at twice the trace time, with every hidden
   size symbolic too;
-* the attention context is a per-forward Python object: ``packed_attention`` is excluded
-  from compilation (``torch.compiler.disable``), so the graph breaks around it and nothing
-  guards on the context.
+* the attention a block receives is a per-forward Python object (its mask data):
+  ``packed_attention`` is excluded from compilation (``torch.compiler.disable``), so the graph
+  breaks around it and nothing guards on the mask data.
 
 Under tensor parallel the first block's input is the embedding's asynchronous reduce-scatter,
 an ``AsyncCollectiveTensor``. AOT autograd traces its inner tensor and returns that tensor's
 gradient as a plain tensor to the collective's DTensor backward, which then fails; a copy
 made before the call waits for the collective and keeps the autograd chain intact.
 
-MoE experts also run eagerly: their grouped matmul has no float32 fake-tensor kernel on CPU
-and splits tokens by data-dependent counts.
+Modules that cannot be traced opt out themselves with ``torch.compiler.disable`` (the
+attention call above, MoE experts): the compiled block runs them eagerly.
 """
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._pytree import tree_map
-
-from torchtitan_rl.models.moe import GroupedExperts
 
 
 def apply_compile(blocks: list[nn.Module], backend="inductor") -> None:
@@ -40,9 +38,6 @@ def apply_compile(blocks: list[nn.Module], backend="inductor") -> None:
 
     Apply before activation checkpointing, which then recomputes the compiled forward."""
     for block in blocks:
-        for module in block.modules():
-            if isinstance(module, GroupedExperts):
-                module.forward = torch.compiler.disable(module.forward)
         block.forward = _tokens_dynamic(torch.compile(block.forward, backend=backend))
 
 

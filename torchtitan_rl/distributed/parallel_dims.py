@@ -1,4 +1,4 @@
-"""Parallel degrees, their validation, and the named device meshes of DESIGN §3."""
+"""Parallel degrees, their validation, and the named device meshes (docs/design.md, 'Meshes')."""
 
 from dataclasses import dataclass, field
 

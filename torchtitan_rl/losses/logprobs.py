@@ -5,7 +5,7 @@ Two entry points share one chunk computation:
 - ``token_loss`` (training): ``Σ_chunks loss_of_chunk(logprobs, entropies)`` and its gradient
   with respect to the hidden states and the output weight, both computed chunk by chunk
   during the forward pass. This works because every loss here is a sum of per-token terms
-  (DESIGN §2): a chunk's share of the loss, and so its gradient, depends on that chunk's
+  (docs/design.md, 'Loss weights'): a chunk's share of the loss, and so its gradient, depends on that chunk's
   tokens only. A chunk's ``[C, V]`` logits become its logit gradient in place and are freed
   before the next chunk, so backward recomputes nothing and at most ``chunk_size x vocab``
   logits exist at any time.

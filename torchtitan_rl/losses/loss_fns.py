@@ -1,4 +1,5 @@
-"""The loss functions of ``Engine.forward_backward``, as per-token losses ℓ_t (DESIGN §2, §7).
+"""The loss functions of ``Engine.forward_backward``, as per-token losses ℓ_t (docs/design.md,
+'Loss weights' and 'Engine and recipes').
 
 A loss function turns the per-token log-probs ``logp_θ`` of a micro-batch share (and their
 entropies ``H``) into
@@ -264,7 +265,7 @@ def weighted_loss(loss: LossFn, terms: TokenTerms, weights: torch.Tensor) -> tor
 
 
 class LossMetrics:
-    """Device-resident sums and extremes of one ``forward_backward``'s loss terms (DESIGN §8).
+    """Device-resident sums and extremes of one ``forward_backward``'s loss terms (docs/design.md, 'Metrics').
 
     Term values are ``Σ w_t x_t`` (so ``pg_loss + kl_coef·kl − entropy_coef·entropy`` is the
     logged loss); means are ``Σ m_t x_t / Σ m_t`` over loss tokens, carried as numerator and

@@ -1,4 +1,4 @@
-"""Reduction modes as per-token weights computed from global mini-batch counts (DESIGN §2).
+"""Reduction modes as per-token weights computed from global mini-batch counts (docs/design.md, 'Loss weights').
 
 This is the only place that normalizes a loss. Every loss is ``Σ_t w_t · ℓ_t`` over the
 tokens a rank holds, and gradients are summed over micro-batches and ranks, so the result

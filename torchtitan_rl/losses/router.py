@@ -1,4 +1,5 @@
-"""Router auxiliary losses of mixture-of-experts layers, exact for any parallel layout (DESIGN §13).
+"""Router auxiliary losses of mixture-of-experts layers, exact for any parallel layout
+(docs/design.md, 'Mixture of experts').
 
 The load-balancing loss of a group of tokens (Switch Transformer; HF Qwen3-MoE's ``aux_loss``)
 is ``E · Σ_e f_e · P_e`` with ``f_e = c_e / (L·N)`` the share of top-k assignments and

@@ -135,6 +135,9 @@ class GroupedExperts(nn.Module):
             )
         return self.impl
 
+    # Runs eagerly inside compiled blocks (distributed/compile.py): the grouped matmul has no
+    # float32 fake-tensor kernel on CPU, and tokens are split by data-dependent counts.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``x [N, dim]``: tokens sorted by expert, ``tokens_per_expert [E]`` (int, summing to N)
         of them per expert in order. Returns each token's expert output ``[N, dim]`` in x's dtype.

@@ -1,13 +1,14 @@
 """Rollout generation: a batched sampler with a static KV cache over the project's ``Qwen3Model``.
 
-Every trainer rank holds an unsharded replica of the policy (DESIGN §11), refreshed with
+Every trainer rank holds an unsharded replica of the policy (docs/design.md, 'The RL step'), refreshed with
 ``update_weights`` after each optimizer step, and samples its share of the step's prompts.
 
 How a batch of prompts is generated (``kv_cache=True``):
 
 1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
-   forward; an attention override writes every layer's K/V into each prompt's ``num_samples``
-   cache rows. The first token of each row is sampled from its prompt's last-position logits.
+   forward; its attention state (``_PrefillAttention``) writes every layer's K/V into each
+   prompt's ``num_samples`` cache rows. The first token of each row is sampled from its
+   prompt's last-position logits.
 2. Decode: one token per row per step at the row's own position (RoPE included); attention
    reads the row's cache slots ``0..position`` and masks the rest. Finished rows keep running
    (static shapes) but their output is frozen.
@@ -25,15 +26,14 @@ other batch shapes, which can only matter when a uniform falls within rounding o
 """
 
 import hashlib
-import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.models.attention import AttentionContext, build_attention_context, packed_attention
+from torchtitan_rl.models.attention import AttentionContext, AttentionState, LayerAttention, build_attention_context
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 
@@ -135,11 +135,60 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.minimum(tokens, last_drawable)
 
 
-def _per_layer(attend):
-    """An attention override calling ``attend(layer, q, k, v)``: packed_attention calls the
-    override once per layer, in layer order, within one forward."""
-    layers = itertools.count()
-    return lambda q, k, v: attend(next(layers), q, k, v)
+@dataclass(frozen=True)
+class _KVCache:
+    """Keys and values of every layer, ``[n_layers, rows, slots, n_kv_heads, head_dim]``; row r,
+    slot p holds the token at position p of row r."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _PrefillAttention:
+    """Attention state of a prefill: each layer attends like the packed forward (``context``)
+    and writes its keys and values to the cache, token j of prompt i into slot ``positions[j]``
+    of the ``samples`` rows of that prompt (``rows``, ``slots``: one entry per token and sample)."""
+
+    context: AttentionContext
+    cache: _KVCache
+    rows: torch.Tensor
+    slots: torch.Tensor
+    samples: int
+
+    def for_layer(self, layer_id: int) -> LayerAttention:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.k[layer_id].index_put_((self.rows, self.slots), k.repeat_interleave(self.samples, dim=0))
+            self.cache.v[layer_id].index_put_((self.rows, self.slots), v.repeat_interleave(self.samples, dim=0))
+            return self.context(q, k, v)
+
+        return attend
+
+
+@dataclass(frozen=True)
+class _DecodeAttention:
+    """Attention state of a decode step: token r (of row r, at ``positions[r]``) is written to
+    its cache slot and attends to the row's slots ``0..position`` (``visible``, over the first
+    ``span`` slots: up to the furthest row's position)."""
+
+    cache: _KVCache
+    rows: torch.Tensor  # [R]
+    positions: torch.Tensor  # [R]
+    span: int
+    visible: torch.Tensor  # [R, 1, 1, span] bool
+
+    def for_layer(self, layer_id: int) -> LayerAttention:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.cache.k[layer_id].index_put_((self.rows, self.positions), k)
+            self.cache.v[layer_id].index_put_((self.rows, self.positions), v)
+            keys, values = (c[layer_id, :, : self.span].transpose(1, 2) for c in (self.cache.k, self.cache.v))
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys, values, attn_mask=self.visible,
+                scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
+            )
+            return out.squeeze(2)
+
+        return attend
 
 
 @dataclass
@@ -287,17 +336,14 @@ class TorchGenerator:
             for r, (p, s) in enumerate(pairs)
         ]
 
-    def _logits(self, tokens, positions, seq_ids, context_builder, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits of the ``rows`` (default: all) of one packed forward whose attention
-        contexts come from ``context_builder``."""
-        self.model.attention_context_builder = context_builder
-        try:
-            hidden = self.model(tokens, positions, seq_ids)
-            if self.args.is_moe:
-                hidden = hidden[0]  # a MoE model also returns its router statistics
-        finally:
-            # Left as built, so that calling the replica directly runs plain packed attention.
-            self.model.attention_context_builder = build_attention_context
+    def _logits(
+        self, tokens, positions, seq_ids, attention: AttentionState | None = None, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
+        ``attention`` (default: the model's plain packed attention)."""
+        hidden = self.model(tokens, positions, seq_ids, attention=attention)
+        if self.args.is_moe:
+            hidden = hidden[0]  # a MoE model also returns its router statistics
         if rows is not None:
             hidden = hidden.index_select(0, rows)
         return self.model.output(hidden).float()
@@ -309,7 +355,7 @@ class TorchGenerator:
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
             sequences = [torch.cat((prompts[r // batch.num_samples], tokens[r, :t])) for r in range(batch.num_rows)]
             ids, positions, seq_ids, last = _pack(sequences)
-            return self._logits(ids, positions, seq_ids, build_attention_context, last)
+            return self._logits(ids, positions, seq_ids, rows=last)
 
         return next_logits
 
@@ -319,57 +365,35 @@ class TorchGenerator:
                  self.args.n_kv_heads, self.args.head_dim)
         dtype = self.model.output.weight.dtype
         # Zeros, not empty: masked slots get zero weight, and 0 * NaN garbage would still be NaN.
-        cache_k = torch.zeros(shape, dtype=dtype, device=self.device)
-        cache_v = torch.zeros(shape, dtype=dtype, device=self.device)
+        cache = _KVCache(torch.zeros(shape, dtype=dtype, device=self.device),
+                         torch.zeros(shape, dtype=dtype, device=self.device))
         prompt_lens = batch.row_prompt_lens()
 
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
             if t == 0:
-                return self._prefill(batch, cache_k, cache_v)
+                return self._prefill(batch, cache)
             positions = prompt_lens + (t - 1)
-            return self._decode(tokens[:, t - 1], positions, batch.longest_prompt + t, cache_k, cache_v)
+            return self._decode(tokens[:, t - 1], positions, batch.longest_prompt + t, cache)
 
         return next_logits
 
-    def _prefill(self, batch: _Batch, cache_k: torch.Tensor, cache_v: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, batch: _Batch, cache: _KVCache) -> torch.Tensor:
         """Packed forward of the batch's prompts, each once; returns the rows' first logits."""
         ids, positions, seq_ids, last = _pack([torch.tensor(p, device=self.device) for p in batch.prompts])
         samples = batch.num_samples
         # Token j goes to slot positions[j] of its prompt's rows seq_ids[j] * S + 0..S-1.
         rows = (seq_ids[:, None] * samples + torch.arange(samples, device=self.device)).flatten()
         slots = positions.repeat_interleave(samples)
+        context = build_attention_context(self.args.attn_backend, seq_ids, positions)
+        attention = _PrefillAttention(context, cache, rows, slots, samples)
+        return self._logits(ids, positions, seq_ids, attention, last).repeat_interleave(samples, dim=0)
 
-        def builder(backend, packed_seq_ids, packed_positions):
-            context = build_attention_context(backend, packed_seq_ids, packed_positions)
-
-            def attend(layer, q, k, v):
-                cache_k[layer].index_put_((rows, slots), k.repeat_interleave(samples, dim=0))
-                cache_v[layer].index_put_((rows, slots), v.repeat_interleave(samples, dim=0))
-                return packed_attention(q, k, v, context)
-
-            return replace(context, override=_per_layer(attend))
-
-        return self._logits(ids, positions, seq_ids, builder, last).repeat_interleave(samples, dim=0)
-
-    def _decode(self, tokens, positions, span: int, cache_k, cache_v) -> torch.Tensor:
+    def _decode(self, tokens, positions, span: int, cache: _KVCache) -> torch.Tensor:
         """One token per row at its own position, attending to its cache slots 0..position.
 
         Only the first ``span`` slots are read: up to the furthest row's position.
         """
         rows = torch.arange(tokens.numel(), device=self.device)
         visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-
-        def attend(layer, q, k, v):
-            cache_k[layer].index_put_((rows, positions), k)
-            cache_v[layer].index_put_((rows, positions), v)
-            keys, values = (c[layer, :, :span].transpose(1, 2) for c in (cache_k, cache_v))
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=visible,
-                scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
-            )
-            return out.squeeze(2)
-
-        def builder(backend, *_):
-            return AttentionContext(backend, override=_per_layer(attend))
-
-        return self._logits(tokens, positions, rows, builder)
+        attention = _DecodeAttention(cache, rows, positions, span, visible)
+        return self._logits(tokens, positions, rows, attention)

@@ -1,7 +1,7 @@
 """From a step's prompts to training samples: which rank generates what, the rollout exchange,
 advantages and the per-token RL inputs.
 
-Layout independence (DESIGN §11): the step's prompts come from one global stream, every rank
+Layout independence (docs/design.md, 'The RL step'): the step's prompts come from one global stream, every rank
 derives its share from (prompt index, mini-batch, data-parallel rank) alone, and each rollout's
 randomness from (seed, step, prompt, sample) alone, so the rollout batch of a step is the same
 for every parallel layout. Context- and tensor-parallel peers of a data-parallel rank hold the

@@ -2,7 +2,8 @@
 HF ``config.json`` (``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``)."""
 
 import dataclasses
-from dataclasses import dataclass, fields, is_dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 from torchtitan_rl.models.attention import ATTN_BACKEND_CHOICES
@@ -21,6 +22,46 @@ def hf_config_field(config: dict[str, Any], key: str, kind: type, source: str, d
     if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
         raise ValueError(f"{source}: field {key!r} must be {kind.__name__}, got {value!r}")
     return kind(value)
+
+
+@dataclass(frozen=True)
+class FieldNames:
+    """How errors about args name a field: by its ``config.json`` key, after the file, when the
+    args were read from one (``source``), else by the field name, so a user reads the name
+    they can look up."""
+
+    source: str
+    hf_keys: Mapping[str, str]
+
+    def __call__(self, name: str) -> str:
+        return self.hf_keys.get(name, name) if self.source else name
+
+    def error(self, message: str) -> ValueError:
+        return ValueError(f"{self.source}: {message}" if self.source else message)
+
+
+# config.json key of each Qwen3 args field.
+QWEN3_HF_KEYS = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "hidden_dim": "intermediate_size",
+    "num_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_hidden_dim": "moe_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+    "decoder_sparse_step": "decoder_sparse_step",
+    "mlp_only_layers": "mlp_only_layers",
+    "router_aux_loss_coef": "router_aux_loss_coef",
+    "output_router_logits": "output_router_logits",
+}
+
+# transformers' Qwen3MoeConfig defaults, which the published Qwen3-MoE checkpoints also say.
+HF_ROUTER_AUX_LOSS_COEF = 0.001
+HF_OUTPUT_ROUTER_LOGITS = False
 
 
 @dataclass
@@ -46,68 +87,103 @@ class Qwen3ModelArgs:
     decoder_sparse_step: int = 1  # with num_experts > 0: layer i is MoE iff (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (those stay dense)
     experts_impl: str = "auto"  # auto | grouped_mm | loop (see models.moe.GroupedExperts)
+    # HF's balance-loss settings of an MoE model, kept so that an export writes the values in
+    # force (see ``with_router_aux_loss``); training reads moe.aux_loss_coef, not these.
+    router_aux_loss_coef: float = HF_ROUTER_AUX_LOSS_COEF
+    output_router_logits: bool = HF_OUTPUT_ROUTER_LOGITS
+    # Where the args were read from (a config.json path), so that errors name the file and its
+    # keys; empty for a named flavor. Two args read from different files can be the same model.
+    source: str = field(default="", compare=False, repr=False)
 
-    # Runtime choices, not properties of the weights or of the function the model computes (RoPE
-    # is evaluated at each token's position, so the context length only bounds the data).
-    # ``architecture_differences`` skips them; subclasses extend the tuple.
-    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("attn_backend", "max_seq_len", "experts_impl")
+    # Neither properties of the weights nor of the function the model computes (RoPE is
+    # evaluated at each token's position, so the context length only bounds the data):
+    # runtime choices, training settings and the origin. ``architecture_differences`` skips
+    # them; subclasses extend the tuple.
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (
+        "attn_backend", "max_seq_len", "experts_impl", "router_aux_loss_coef", "output_router_logits", "source",
+    )
+    HF_KEYS: ClassVar[Mapping[str, str]] = QWEN3_HF_KEYS
+
+    @property
+    def field_names(self) -> FieldNames:
+        return FieldNames(self.source, self.HF_KEYS)
 
     def __post_init__(self) -> None:
+        name = self.field_names
         if self.n_heads % self.n_kv_heads != 0:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            raise name.error(
+                f"{name('n_heads')}={self.n_heads} must be a multiple of {name('n_kv_heads')}={self.n_kv_heads}"
             )
         if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise name.error(f"{name('head_dim')}={self.head_dim} must be even for rotary embeddings")
         if self.attn_backend not in ATTN_BACKEND_CHOICES:
             raise ValueError(
                 f"unknown attn_backend {self.attn_backend!r}; valid: "
                 f"{', '.join(ATTN_BACKEND_CHOICES)}"
             )
-        self._check_moe_fields()
+        self._check_moe_fields(name)
 
-    def _check_moe_fields(self) -> None:
+    def _check_moe_fields(self, name: FieldNames) -> None:
         # JSON (checkpoints store asdict) turns the tuple into a list; sorted so that the same
         # set of layers is one value (HF only tests membership).
         layers = self.mlp_only_layers
         if not isinstance(layers, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
-            raise ValueError(f"mlp_only_layers must be a sequence of layer indices, got {layers!r}")
+            raise name.error(f"{name('mlp_only_layers')} must be a sequence of layer indices, got {layers!r}")
         self.mlp_only_layers = tuple(sorted(set(layers)))
         if self.experts_impl not in EXPERTS_IMPL_CHOICES:
             raise ValueError(
                 f"unknown experts_impl {self.experts_impl!r}; valid: {', '.join(EXPERTS_IMPL_CHOICES)}"
             )
-        for name in ("num_experts", "num_experts_per_tok", "moe_hidden_dim", "decoder_sparse_step"):
-            value = getattr(self, name)
+        for key in ("num_experts", "num_experts_per_tok", "moe_hidden_dim", "decoder_sparse_step"):
+            value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ValueError(f"norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+                raise name.error(f"{name(key)} must be a non-negative int, got {value!r}")
+        for key in ("norm_topk_prob", "output_router_logits"):
+            if not isinstance(getattr(self, key), bool):
+                raise name.error(f"{name(key)} must be a bool, got {getattr(self, key)!r}")
+        coef = self.router_aux_loss_coef
+        if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
+            raise name.error(f"{name('router_aux_loss_coef')} must be a finite number >= 0, got {coef!r}")
         if self.num_experts == 0:
             defaults = {"num_experts_per_tok": 0, "moe_hidden_dim": 0, "norm_topk_prob": True,
-                        "decoder_sparse_step": 1, "mlp_only_layers": ()}
-            changed = [f"{name}={getattr(self, name)!r}" for name, default in defaults.items()
-                       if getattr(self, name) != default]
+                        "decoder_sparse_step": 1, "mlp_only_layers": (),
+                        "router_aux_loss_coef": HF_ROUTER_AUX_LOSS_COEF, "output_router_logits": HF_OUTPUT_ROUTER_LOGITS}
+            changed = [f"{name(key)}={getattr(self, key)!r}" for key, default in defaults.items()
+                       if getattr(self, key) != default]
             if changed:
-                raise ValueError(f"a dense model (num_experts=0) must keep the MoE defaults, got {', '.join(changed)}")
+                raise name.error(
+                    f"a dense model ({name('num_experts')}=0) must keep the MoE defaults, got {', '.join(changed)}"
+                )
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_tok}"
+            raise name.error(
+                f"{name('num_experts_per_tok')}={self.num_experts_per_tok} must be in "
+                f"[1, {name('num_experts')}={self.num_experts}]"
             )
         if self.moe_hidden_dim < 1:
-            raise ValueError(f"moe_hidden_dim must be positive for an MoE model, got {self.moe_hidden_dim}")
+            raise name.error(f"{name('moe_hidden_dim')} must be positive for an MoE model, got {self.moe_hidden_dim}")
         if self.decoder_sparse_step < 1:
-            raise ValueError(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+            raise name.error(f"{name('decoder_sparse_step')} must be positive, got {self.decoder_sparse_step}")
         outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
         if outside:
-            raise ValueError(f"mlp_only_layers {outside} are not layers of a {self.n_layers}-layer model")
+            raise name.error(
+                f"{name('mlp_only_layers')} lists {outside}, which are not layers of a model with "
+                f"{name('n_layers')}={self.n_layers}"
+            )
         if not self.moe_layers:
             # Would be a dense model with unused MoE fields; say num_experts=0 instead.
-            raise ValueError(
-                f"num_experts={self.num_experts} but no layer is MoE (decoder_sparse_step="
-                f"{self.decoder_sparse_step}, mlp_only_layers={list(self.mlp_only_layers)})"
+            raise name.error(
+                f"{name('num_experts')}={self.num_experts} but no layer is MoE ({name('decoder_sparse_step')}="
+                f"{self.decoder_sparse_step}, {name('mlp_only_layers')}={list(self.mlp_only_layers)})"
             )
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Every dimension that tensor parallel shards must split evenly over ``tp`` ranks."""
+        name = self.field_names
+        for key in ("n_heads", "n_kv_heads", "hidden_dim", "vocab_size"):
+            size = getattr(self, key)
+            if size % tp != 0:
+                raise name.error(f"{name(key)}={size} is not divisible by parallelism.tensor_parallel_degree={tp}")
 
     def is_moe_layer(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule: layer ``layer`` holds experts instead of the dense SwiGLU."""
@@ -164,6 +240,7 @@ class Qwen3ModelArgs:
             tie_embeddings=get("tie_word_embeddings", bool, False),
             max_seq_len=get("max_position_embeddings", int, 32768),
             attn_backend=attn_backend,
+            source=source,
             **moe,
         )
 
@@ -205,12 +282,25 @@ class Qwen3ModelArgs:
                 norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
-                # HF adds its balance loss only when asked for router logits; the coefficient
-                # is the published checkpoints' (a training choice, not part of the weights).
-                output_router_logits=False,
-                router_aux_loss_coef=0.001,
+                # HF adds its balance loss only when asked for router logits.
+                output_router_logits=self.output_router_logits,
+                router_aux_loss_coef=self.router_aux_loss_coef,
             )
         return config
+
+
+def with_router_aux_loss(args: Qwen3ModelArgs, aux_loss_coef: float) -> Qwen3ModelArgs:
+    """``args`` carrying the balance loss of a run trained with ``moe.aux_loss_coef``, so that an
+    HF export writes the values in force.
+
+    A run with a balance loss (coefficient > 0) writes its coefficient, with
+    ``output_router_logits = true`` since HF adds the loss only then. A run without one (0, the
+    default) keeps the values of the imported ``config.json`` (of a named flavor: HF's 0.001 and
+    false), so that a round trip HF -> training -> HF changes nothing the run did not set.
+    """
+    if aux_loss_coef == 0:
+        return args
+    return dataclasses.replace(args, router_aux_loss_coef=aux_loss_coef, output_router_logits=True)
 
 
 # Qwen2-MoE / DeepSeek-style MoE features that Qwen3-MoE (and our MoE) does not have; a
@@ -260,6 +350,8 @@ def _moe_from_hf(config: dict[str, Any], source: str) -> dict[str, Any]:
         "norm_topk_prob": hf_config_field(config, "norm_topk_prob", bool, source, False),
         "decoder_sparse_step": hf_config_field(config, "decoder_sparse_step", int, source, 1),
         "mlp_only_layers": tuple(layers),
+        "router_aux_loss_coef": hf_config_field(config, "router_aux_loss_coef", float, source, HF_ROUTER_AUX_LOSS_COEF),
+        "output_router_logits": hf_config_field(config, "output_router_logits", bool, source, HF_OUTPUT_ROUTER_LOGITS),
     }
 
 
@@ -389,7 +481,11 @@ def check_flavor(
     says = ", ".join(f"{name}={ours}" for name, ours, _ in differences)
     has = ", ".join(f"{name}={theirs}" for name, _, theirs in differences)
     match = find_flavor(args, flavors)
-    hint = f" ({source} matches model.flavor={match!r})" if match else " (no named flavor matches it)"
+    hint = (
+        f" ({source} matches model.flavor={match!r})"
+        if match
+        else f' (no named flavor matches it; model.flavor = "hf" takes the architecture from {source} itself)'
+    )
     raise ValueError(
         f"checkpoint from another model flavor: {source} says {says}; model.flavor={flavor!r} has {has}{hint}"
     )

@@ -48,17 +48,9 @@ def parallelize_qwen3(
 
 
 def check_tp_divisibility(args: Qwen3ModelArgs, tp: int) -> None:
-    """Every sharded dimension must split evenly over the TP ranks."""
-    for what, size in (
-        ("n_heads", args.n_heads),
-        ("n_kv_heads", args.n_kv_heads),
-        ("hidden_dim", args.hidden_dim),
-        ("vocab_size", args.vocab_size),
-    ):
-        if size % tp != 0:
-            raise ValueError(
-                f"parallelism.tensor_parallel_degree={tp} does not divide the model's {what} ({size})"
-            )
+    """Every sharded dimension must split evenly over the TP ranks (errors name the config.json
+    the args were read from, see ``Qwen3ModelArgs.check_tensor_parallel``)."""
+    args.check_tensor_parallel(tp)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:

@@ -3,11 +3,15 @@ merger + MLP projector, and our Qwen3 decoder), its flavors, and conversion from
 ``Mistral3Config`` ``config.json`` whose ``text_config`` is a Qwen3 one."""
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, hf_config_field, qwen3_flavors
+from torchtitan_rl.models.qwen3.args import QWEN3_HF_KEYS, Qwen3ModelArgs, hf_config_field, qwen3_flavors
 from torchtitan_rl.models.vision.args import VisionArgs
+
+logger = logging.getLogger(__name__)
 
 def _debug_vision() -> VisionArgs:
     # Tiny, CPU-trainable in minutes. Patches of 14 px merged 2x2, so one image token covers
@@ -27,19 +31,30 @@ class VLMModelArgs(Qwen3ModelArgs):
     projector_bias: bool = False  # biases of the projector's two linears (shipped Mistral3: none)
 
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (*Qwen3ModelArgs.RUNTIME_FIELDS, "image_token_id")
+    # The language model's keys sit in the text_config of a Mistral3 config.json.
+    HF_KEYS: ClassVar[Mapping[str, str]] = {
+        **{name: f"text_config.{key}" for name, key in QWEN3_HF_KEYS.items()},
+        "image_token_id": "image_token_index",
+        "spatial_merge_size": "spatial_merge_size",
+        "projector_bias": "multimodal_projector_bias",
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        name = self.field_names
         if not isinstance(self.vision, VisionArgs):
             raise ValueError(f"vision must be VisionArgs, got {type(self.vision).__name__}")
         merge = self.spatial_merge_size
         if isinstance(merge, bool) or not isinstance(merge, int) or merge < 1:
-            raise ValueError(f"spatial_merge_size must be a positive int, got {merge!r}")
+            raise name.error(f"{name('spatial_merge_size')} must be a positive int, got {merge!r}")
         token = self.image_token_id
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-            raise ValueError(f"image_token_id must be a token id in [0, {self.vocab_size}), got {token!r}")
+            raise name.error(
+                f"{name('image_token_id')} must be a token id in [0, {name('vocab_size')}={self.vocab_size}), "
+                f"got {token!r}"
+            )
         if not isinstance(self.projector_bias, bool):
-            raise ValueError(f"projector_bias must be a bool, got {self.projector_bias!r}")
+            raise name.error(f"{name('projector_bias')} must be a bool, got {self.projector_bias!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VLMModelArgs":
@@ -82,7 +97,8 @@ class VLMModelArgs(Qwen3ModelArgs):
                 f"text_config.tie_word_embeddings={text.tie_embeddings} (default false)"
             )
         return cls(
-            **{f.name: getattr(text, f.name) for f in dataclasses.fields(Qwen3ModelArgs)},
+            **{f.name: getattr(text, f.name) for f in dataclasses.fields(Qwen3ModelArgs) if f.name != "source"},
+            source=source,
             vision=_vision_from_hf(vision_config, attn_backend, f"{source} vision_config"),
             spatial_merge_size=hf_config_field(config, "spatial_merge_size", int, source, 2),
             image_token_id=hf_config_field(config, "image_token_index", int, source, config.get("image_token_id", 10)),
@@ -130,6 +146,22 @@ class VLMModelArgs(Qwen3ModelArgs):
         }
 
 
+def with_image_token_id(args: VLMModelArgs, token_id: int, token: str) -> VLMModelArgs:
+    """``args`` whose image placeholder is the tokenizer's id ``token_id`` of ``token`` (the string
+    of model.image_token), which is what the data holds.
+
+    When the args were read from a config.json (``args.source``) whose ``image_token_index`` is
+    another id, that checkpoint was trained with another placeholder: warn, naming the file, the
+    field, both ids and the token, rather than replace it silently.
+    """
+    if args.source and args.image_token_id != token_id:
+        logger.warning(
+            "%s: image_token_index=%d differs from the tokenizer's id %d of model.image_token %r; using %d",
+            args.source, args.image_token_id, token_id, token, token_id,
+        )
+    return dataclasses.replace(args, image_token_id=token_id)
+
+
 def _vision_from_hf(config: dict[str, Any], attn_backend: str, source: str) -> VisionArgs:
     if config.get("model_type") != "pixtral":
         raise ValueError(f"{source}: model_type is {config.get('model_type')!r}; only 'pixtral' is supported")
@@ -163,6 +195,7 @@ def _vision_from_hf(config: dict[str, Any], attn_backend: str, source: str) -> V
         rope_theta=float(theta),
         max_patches_per_side=hf_config_field(config, "image_size", int, source) // patch_size,
         attn_backend=attn_backend,
+        source=source,
     )
 
 

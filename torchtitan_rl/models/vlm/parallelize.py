@@ -1,4 +1,4 @@
-"""Apply parallelism to a vision-language model from outside (DESIGN §12).
+"""Apply parallelism to a vision-language model from outside (docs/design.md, 'Vision-language model').
 
 The language model is parallelized exactly as a Qwen3 model. The vision tower and projector
 are small, so tensor parallel replicates them: every TP rank encodes all images of the

@@ -7,7 +7,7 @@
 from collections.abc import Callable
 from functools import partial
 
-from torchtitan_rl.data.tasks import QUESTION_GENERATORS
+from torchtitan_rl.data.questions import QUESTION_GENERATORS
 from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools
 from torchtitan_rl.rl.tasks.jsonl import jsonl_problem_pools
 from torchtitan_rl.rl.tasks.rewards import ANSWER_MATCHES, Reward, RewardSpec

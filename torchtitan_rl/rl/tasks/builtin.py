@@ -7,7 +7,7 @@ the train pool. Both are fixed by the seed alone, whatever the layout or the num
 
 import random
 
-from torchtitan_rl.data.tasks import QUESTION_GENERATORS, QuestionGenerator
+from torchtitan_rl.data.questions import QUESTION_GENERATORS, QuestionGenerator
 from torchtitan_rl.rl.tasks.task import Problem
 
 # How many draws per wanted problem before concluding the task has too few distinct questions.

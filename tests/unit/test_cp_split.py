@@ -1,4 +1,4 @@
-"""The zigzag split of context parallel (DESIGN §5) against brute-force chunking."""
+"""The zigzag split of context parallel (docs/design.md, 'Context parallel') against brute-force chunking."""
 
 import random
 
@@ -7,7 +7,8 @@ import torch
 
 from torchtitan_rl.data.packing import OPTIONAL_INPUTS, TOKEN_FIELDS, VisionPacking, pack, padding_microbatch
 from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample, SampleImage
-from torchtitan_rl.distributed.context_parallel import ZigzagLayout, microbatch_layout, shard_microbatch
+from torchtitan_rl.data.cp_split import microbatch_layout, shard_microbatch
+from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 
 
 def random_lengths(seed: int, count: int) -> list[int]:

@@ -1,0 +1,87 @@
+"""The recipe layer: the registry ``train.py`` dispatches on, constructors that only build
+(checkpoints and the GRPO warm-up happen in ``setup()``), and OS errors named by config key."""
+
+import os
+import typing
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_rl.config import ConfigManager, JobConfig
+from torchtitan_rl.recipes import RECIPES, get_recipe
+from torchtitan_rl.recipes.base import describe_os_error
+from torchtitan_rl.recipes.grpo import GRPORecipe
+from torchtitan_rl.recipes.sft import SFTRecipe
+
+CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
+SMALL = ["--training.global_batch_size", "4", "--training.seq_len", "64", "--metrics.enable_tensorboard", "false"]
+
+
+def parse(*args: str) -> JobConfig:
+    return ConfigManager().parse_args(list(args))
+
+
+def params_of(recipe) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in recipe.engine.model.parameters()]
+
+
+def test_registry_matches_the_config_choices():
+    (choices,) = [typing.get_args(f.type) for f in JobConfig.__dataclass_fields__["job"].type.__dataclass_fields__.values()
+                  if f.name == "recipe"]
+    assert set(RECIPES) == set(choices)
+    assert get_recipe("grpo") is GRPORecipe and get_recipe("sft") is SFTRecipe
+    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'sft'\]"):
+        get_recipe("dpo")
+
+
+def test_os_error_names_the_config_key(tmp_path):
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("a file, not a directory")
+    cfg = parse("--job.dump_folder", str(tmp_path / "run"), "--training.dataset_cache_dir", str(not_a_dir))
+    with pytest.raises(OSError) as caught:
+        os.makedirs(not_a_dir / "json")
+    message = describe_os_error(caught.value, cfg)
+    assert message.startswith(str(caught.value))
+    assert f"training.dataset_cache_dir = '{not_a_dir}'" in message
+    assert "job.dump_folder" not in message
+    elsewhere = OSError(2, "No such file or directory", str(tmp_path / "unrelated"))
+    assert describe_os_error(elsewhere, cfg) == str(elsewhere)
+
+
+def test_sft_constructor_builds_and_setup_resumes(tmp_path):
+    dump = str(tmp_path / "sft")
+    args = ["--job.config_file", str(CONFIGS / "debug_model.toml"), *SMALL, "--job.dump_folder", dump,
+            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    first = SFTRecipe(parse(*args, "--training.steps", "2"))
+    initial = params_of(first)
+    assert not first.setup()
+    first.train()
+    trained = params_of(first)
+    assert any(not torch.equal(a, b) for a, b in zip(trained, initial))
+    first.close()
+
+    second = SFTRecipe(parse(*args, "--training.steps", "3"))
+    # Built from the seed, nothing loaded yet.
+    assert second.train_state.step == 0
+    for got, expected in zip(params_of(second), initial):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert second.setup()
+    assert second.train_state.step == 2
+    for got, expected in zip(params_of(second), trained):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    second.close()
+
+
+def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
+    cfg = parse("--job.config_file", str(CONFIGS / "debug_grpo.toml"), "--job.dump_folder", str(tmp_path / "grpo"),
+                "--metrics.enable_tensorboard", "false", "--rl.sft_warmup_steps", "2",
+                "--rl.sft_warmup_batch_size", "4", "--rl.use_reference", "true", "--loss.kl_coef", "0.01")
+    recipe = GRPORecipe(cfg)
+    initial = params_of(recipe)  # the constructor ran no warm-up step
+    recipe.setup()
+    warmed = params_of(recipe)
+    assert any(not torch.equal(a, b) for a, b in zip(warmed, initial))
+    for ref, policy in zip(recipe.reference.model.parameters(), warmed):
+        torch.testing.assert_close(ref.detach(), policy, rtol=0, atol=0)
+    recipe.close()
