@@ -1,8 +1,8 @@
 """Data at scale, measured: per-rank peak RSS and start-up time on a 1M-row JSONL, 2 ranks.
 
     git worktree add --detach /tmp/data_before <commit before the change>
-    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before            # rewrites its page in docs/benchmarks/
-    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before --no-write # print only
+    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before             # rewrites its page
+    .venv/bin/python scripts/benchmark_data.py --before /tmp/data_before --no-write  # print only
 
 Writes ``--rows`` chat rows (the SFT ``messages`` format, answers of varying length) to a
 JSONL file under /tmp once, then launches 2 rank processes per variant (``RANK`` /
@@ -67,11 +67,10 @@ def worker(args) -> None:
 
     import torch
 
+    import torchtitan_rl
     from torchtitan_rl.data.datasets import load_rows
     from torchtitan_rl.data.loader import SFTDataLoader
     from torchtitan_rl.data.tokenizer import ByteTokenizer
-
-    import torchtitan_rl
 
     assert torchtitan_rl.__file__.startswith(os.path.abspath(args.tree)), torchtitan_rl.__file__
     torch.set_num_threads(1)
@@ -105,8 +104,8 @@ def worker(args) -> None:
         steps.append(time.perf_counter() - step_start)
     if hasattr(loader, "close"):
         loader.close()
-    print(json.dumps({"rank": rank, "startup_s": startup_s, "load_s": load_s, "wait_ms": 1000 * statistics.median(waits),
-                      "step_ms": 1000 * statistics.median(steps),
+    print(json.dumps({"rank": rank, "startup_s": startup_s, "load_s": load_s,
+                      "wait_ms": 1000 * statistics.median(waits), "step_ms": 1000 * statistics.median(steps),
                       **memory_kib()}))
 
 
@@ -115,9 +114,10 @@ def launch(tree: str, dataset: str, cache: str, prefetch: bool, args) -> list[di
     procs = []
     for rank in range(WORLD_SIZE):
         env = launch_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE)})
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--dataset", dataset, "--cache", cache,
-               "--launch-time", repr(launch_time), "--seq-len", str(args.seq_len), "--global-batch-size",
-               str(args.global_batch_size), "--steps", str(args.steps), "--step-ms", str(args.step_ms)]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--dataset", dataset,
+               "--cache", cache, "--launch-time", repr(launch_time), "--seq-len", str(args.seq_len),
+               "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps),
+               "--step-ms", str(args.step_ms)]
         if prefetch:
             cmd.append("--prefetch")
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -169,13 +169,11 @@ def main() -> None:
         tree, prefetch = variants[name]
         if name == "cold":
             shutil.rmtree(cache, ignore_errors=True)
-        # The warm variants re-use the file of the first round's cold run, whatever the order.
         ranks = launch(tree, dataset, cache, prefetch, args)
         print(name, ranks, flush=True)
         return ranks
 
-    if "cold" in variants and not os.path.isdir(cache):
-        run("cold")  # the warm variants of the first round need a prepared file; not counted
+    # The first round runs cold before the warm variants, which later re-use its prepared file.
     results = collect_alternating({name: (lambda name=name: run(name)) for name in variants}, args.repeats)
     arrow_size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache) if f.endswith(".arrow"))
 
@@ -183,8 +181,7 @@ def main() -> None:
         return statistics.median(run[rank][key] for run in results[name])
 
     rows = [[name, rank, gib(median(name, rank, "VmHWM")),
-             f"{gib(median(name, rank, 'RssAnon'))} / {gib(median(name, rank, 'RssFile'))} / "
-             f"{gib(median(name, rank, 'Pss'))}",
+             " / ".join(gib(median(name, rank, key)) for key in ("RssAnon", "RssFile", "Pss")),
              f"{median(name, rank, 'startup_s'):.1f} s", f"{median(name, rank, 'load_s'):.1f} s",
              f"{median(name, rank, 'step_ms'):.0f} ms / {median(name, rank, 'wait_ms'):.1f} ms"]
             for name in variants for rank in range(WORLD_SIZE)]

@@ -1,6 +1,6 @@
 """Rollout generation throughput: the static KV cache against rerunning the whole sequence.
 
-    .venv/bin/python scripts/benchmark_generator.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_generator.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_generator.py --no-write # print only
 
 One process, the ``debugmodel`` Qwen3 (initialized weights), ``--prompt-lens`` prompts with
@@ -14,23 +14,14 @@ same tokens (same weights and seeds), which the script checks.
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
-import sys
-import time
 
 import torch
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmark_docs import publish  # noqa: E402
-from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
-from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator  # noqa: E402
-from torchtitan_rl.recipes.base import build_model  # noqa: E402
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 
 
 def main() -> None:
@@ -40,7 +31,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--attn-backend", default="sdpa_loop", help="prefill / no-cache attention backend")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "generator")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -61,36 +52,24 @@ def main() -> None:
         return generators[name].generate(prompts, indices, args.samples, params, seed=0, step=0)
 
     outputs = {name: run(name) for name in generators}  # warm-up, and the same-tokens check
-    same_tokens = [r.completion_tokens for r in outputs["kv_cache"]] == [r.completion_tokens for r in outputs["no_cache"]]
+    tokens = {name: [r.completion_tokens for r in rollouts] for name, rollouts in outputs.items()}
+    same_tokens = tokens["kv_cache"] == tokens["no_cache"]
     generated = sum(len(r.completion_tokens) for r in outputs["kv_cache"])
-    times = {name: [] for name in generators}
-    for r in range(args.rounds):
-        for name in (list(generators) if r % 2 == 0 else list(reversed(generators))):
-            start = time.perf_counter()
-            run(name)
-            times[name].append(time.perf_counter() - start)
-    median = {name: statistics.median(t) for name, t in times.items()}
-
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.machine()}, {os.cpu_count()} cores, CPU only")
-    cmd = " ".join([".venv/bin/python", "scripts/benchmark_generator.py", *sys.argv[1:]])
-    lines = [
-        f"## Rollout generator: KV cache vs no cache, {datetime.date.today().isoformat()} ({machine}, torch {torch.__version__})",
+    median = time_alternating({name: (lambda name=name: run(name)) for name in generators}, args.rounds, warmup=0)
+    body = [
+        (f"One process, `debugmodel` Qwen3 (fp32, `{args.attn_backend}` for prefill / no-cache), {len(prompts)} "
+         f"prompts of {', '.join(map(str, args.prompt_lens))} tokens × {args.samples} samples, {args.new_tokens} new "
+         f"tokens per row ({generated} in all), temperature 1, one batch; median of {args.rounds} alternating rounds "
+         f"of `TorchGenerator.generate`. Both modes sampled the same tokens: {'yes' if same_tokens else 'NO'}."),
         "",
-        f"Command: `{cmd}` — one process, `debugmodel` Qwen3 (fp32, `{args.attn_backend}` for prefill / no-cache), "
-        f"{len(prompts)} prompts of {', '.join(map(str, args.prompt_lens))} tokens × {args.samples} samples, "
-        f"{args.new_tokens} new tokens per row ({generated} in all), temperature 1, one batch; median of "
-        f"{args.rounds} alternating rounds of `TorchGenerator.generate`. Both modes sampled the same tokens: "
-        f"{'yes' if same_tokens else 'NO'}.",
+        *markdown_table(["mode", "time per generate", "generated tokens/s"],
+                        [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{generated / median[name]:.0f}"]
+                         for name in generators]),
         "",
-        "| mode | time per generate | generated tokens/s |",
-        "|---|---|---|",
-        *[f"| `{name}` | {median[name] * 1e3:.0f} ms | {generated / median[name]:.0f} |" for name in generators],
-        "",
-        f"- `kv_cache` / `no_cache` throughput: {median['no_cache'] / median['kv_cache']:.1f}×.",
-        "",
+        f"- `kv_cache` / `no_cache` throughput: {ratio(median['no_cache'], median['kv_cache'], digits=1)}.",
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "Rollout generator: KV cache vs no cache", "Generated tokens per second of `TorchGenerator` with "
+            "its static KV cache against rerunning every row's whole sequence.", body)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Qwen3-MoE training steps on CPU, measured: the expert kernels, and what the router losses cost.
 
-    .venv/bin/python scripts/benchmark_moe.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_moe.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_moe.py --no-write # print only
 
 ``Engine.forward_backward`` + ``optim_step`` of the ``debugmodel_moe`` flavor on ``--ranks`` gloo
@@ -15,18 +15,10 @@ first is warm-up) and the medians are reported:
 """
 
 import argparse
-import datetime
-import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmark_docs import publish  # noqa: E402
+from bench_common import add_publish_args, alternating_order, launch_workers, print_result, publish, ratio
 
 
 def worker(args) -> None:
@@ -64,23 +56,25 @@ def worker(args) -> None:
             "sequence": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="sequence", z_loss_coef=0.001),
         }
         for name, router in routers.items():
-            options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=args.tokens, logits_chunk_size=1024, max_norm=1.0, router=router)
-            engines[f"{impl}/{name}"] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
+            options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=args.tokens,
+                                    logits_chunk_size=1024, max_norm=1.0, router=router)
+            engines[f"{impl}/{name}"] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims,
+                                               device=device, options=options)
     times: dict[str, list[float]] = {name: [] for name in engines}
-    for round_ in range(args.repeats + 1):
-        for name, engine in engines.items():
+    # Alternating like bench_common.time_alternating, with barriers so that every rank times the
+    # same step; the first round warms up.
+    for round_, order in enumerate(alternating_order(list(engines), args.repeats + 1)):
+        for name in order:
             dist.barrier()
             start = time.perf_counter()
-            engine.forward_backward(samples)
-            engine.optim_step()
+            engines[name].forward_backward(samples)
+            engines[name].optim_step()
             dist.barrier()
             if round_ > 0:
                 times[name].append(time.perf_counter() - start)
     if rank == 0:
-        for name, values in times.items():
-            print(f"RESULT {name} {statistics.median(values):.5f}")
+        print_result({name: statistics.median(values) for name, values in times.items()})
     dist.destroy_process_group()
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,36 +82,33 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches (one sequence each) per rank")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per sequence")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "moe")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__,
-           "--worker", "--microbatches", str(args.microbatches), "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
-    t = {line.split()[1]: float(line.split()[2]) for line in out.splitlines() if line.startswith("RESULT")}
+    t = launch_workers(__file__, args.ranks, ["--microbatches", str(args.microbatches), "--tokens", str(args.tokens),
+                                              "--repeats", str(args.repeats)])
+    if "error" in t:
+        raise SystemExit(f"the ranks failed: {t['error']}")
     off = t["grouped_mm/off"]
-    shown = "python scripts/benchmark_moe.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
-    lines = [
-        f"## Qwen3-MoE on CPU ({datetime.date.today()})",
+
+    def overhead(name: str) -> str:
+        return f"{t[name] * 1000:.0f} ms (+{(t[name] - off) / t[name] * 100:.0f} % of the step"
+
+    body = [
+        (f"`debugmodel_moe` (8 experts, top-2), {args.ranks} FSDP gloo ranks, {args.microbatches} micro-batches of "
+         f"{args.tokens} tokens per rank, median of {args.repeats} alternating rounds:"),
         "",
-        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}.",
-        "",
-        f"`debugmodel_moe` (8 experts, top-2), {args.ranks} FSDP gloo ranks, {args.microbatches} micro-batches of "
-        f"{args.tokens} tokens per rank, median of {args.repeats} alternating rounds:",
-        "",
-        f"- Expert kernels, router losses off: `grouped_mm` {off * 1000:.0f} ms per step, per-expert `loop` "
-        f"{t['loop/off'] * 1000:.0f} ms ({t['loop/off'] / off:.2f}x).",
-        f"- Router losses (`grouped_mm`): global scope + z-loss {t['grouped_mm/global'] * 1000:.0f} ms "
-        f"(+{(t['grouped_mm/global'] - off) / t['grouped_mm/global'] * 100:.0f} % of the step: the no-grad counting "
-        f"pass over the {args.microbatches} micro-batches and one all-reduce of the counts); sequence scope + z-loss "
-        f"{t['grouped_mm/sequence'] * 1000:.0f} ms (+{(t['grouped_mm/sequence'] - off) / t['grouped_mm/sequence'] * 100:.0f} %, "
-        "one small all-reduce per micro-batch, no counting pass).",
+        (f"- Expert kernels, router losses off: `grouped_mm` {off * 1000:.0f} ms per step, per-expert `loop` "
+         f"{t['loop/off'] * 1000:.0f} ms ({ratio(t['loop/off'], off)})."),
+        (f"- Router losses (`grouped_mm`): global scope + z-loss {overhead('grouped_mm/global')}: the no-grad counting "
+         f"pass over the {args.microbatches} micro-batches and one all-reduce of the counts); sequence scope + z-loss "
+         f"{overhead('grouped_mm/sequence')}, one small all-reduce per micro-batch, no counting pass)."),
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "Qwen3-MoE training step", "Step time of the MoE expert kernels (`grouped_mm`, `loop`) and what "
+            "the router losses (global and sequence scope, z-loss) add to a step.", body)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,14 @@ from vlm_cases import run_vlm_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
-from torchtitan_rl.distributed.context_parallel import (
-    ZigzagLayout,
-    cp_attention_context_builder,
-    gather_from_cp_ranks,
-)
+from torchtitan_rl.distributed.context_parallel import ZigzagLayout, gather_from_cp_ranks
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed, shutdown_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.logprobs import token_loss
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
-from torchtitan_rl.models.attention import packed_attention
+from torchtitan_rl.models.attention import cp_attention_context, packed_attention
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import build_model
 
@@ -133,11 +129,10 @@ def run_cp_attention(cp_mesh, results: dict) -> None:
     """Packed attention with this rank's zigzag share of the queries and K/V gathered over cp."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     layout = ZigzagLayout.build(list(lc.CP_ATTENTION_LENS), cp)
-    build_context = cp_attention_context_builder(cp_mesh)
     for backend in ("sdpa_dense", "sdpa_loop"):
         inputs = [layout.split(t, rank).requires_grad_() for t in lc.cp_attention_inputs()[:3]]
         out_weights = layout.split(lc.cp_attention_inputs()[3], rank)
-        context = build_context(backend, layout.seq_ids(rank), layout.positions(rank))
+        context = cp_attention_context(cp_mesh, backend, layout.seq_ids(rank), layout.positions(rank))
         out = packed_attention(*inputs, context)
         (out * out_weights).sum().backward()
         entry = {"out": gather_from_cp_ranks(out.detach(), layout, cp_mesh).clone()}

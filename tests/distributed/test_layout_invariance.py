@@ -407,7 +407,10 @@ def test_a_bad_sample_on_one_rank_stops_every_rank_naming_the_cause(results):
 
 
 def test_every_layout_was_checked(results):
+    """Every layout of every world size, and the sdpa_varlen runs of lc.VARLEN_LAYOUTS (the
+    checks above treat a ``_varlen`` layout like any other: same reference, same tolerance)."""
     expected = {f"rep{r}_shard{s}_cp{c}_tp{t}" for w in WORLDS for r, s, c, t in lc.layouts(w)}
+    expected |= {"rep{}_shard{}_cp{}_tp{}_varlen".format(*layout) for layout in lc.VARLEN_LAYOUTS}
     assert {layout for w in WORLDS for layout in layout_keys(results, w) if not layout.endswith("_tied")} == expected
 
 

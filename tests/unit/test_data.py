@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tokenizers
 import torch
 import torch.nn.functional as F
 from PIL import Image
@@ -678,6 +679,26 @@ def test_image_tokens_of_the_tokenizer(tmp_path):
     vlm_tokenizer = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "vlm", SPECIAL_TOKENS + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])))
     loader = SFTDataLoader([{"text": "look: [IMG]"}], vlm_tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION)
     with pytest.raises(ValueError, match=r"dataset row 0: its text tokenizes to the image placeholder token '\[IMG\]'"):
+        next(loader)
+
+
+def test_a_stock_qwen_tokenizer_gets_its_vision_specials_as_placeholders(tmp_path):
+    from test_tokenizer import QWEN_SPECIAL_TOKENS, make_hf_tokenizer_dir
+
+    directory = make_hf_tokenizer_dir(tmp_path / "qwen", QWEN_SPECIAL_TOKENS)
+    reference = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    pad, row_end, end = (reference.token_to_id(t) for t in ["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"])
+    tokenizer = HFTokenizer(str(directory))
+    # A 16 x 24 pixel image in 8-pixel units: 2 rows of 3 features.
+    (sample,) = next(SFTDataLoader([image_chat([{"type": "image", "image": solid_png(24, 16)}])], tokenizer, 128, 1,
+                                   "drop", 0, 0, 1, vision=VISION))
+    header = [tokenizer.im_start_id] + tokenizer.encode("user\n")
+    placeholders = [pad, pad, pad, row_end, pad, pad, pad, end]
+    assert sample.input_ids[: len(header) + 8].tolist() == header + placeholders
+    assert sample.vision_rows[len(header) : len(header) + 8].tolist() == [0, 1, 2, -1, 3, 4, 5, -1]
+    # Those specials are now placeholders: text that tokenizes to one is refused.
+    loader = SFTDataLoader([{"text": "see <|vision_pad|>"}], tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION)
+    with pytest.raises(ValueError, match=r"dataset row 0: its text tokenizes to the image placeholder token '<\|vision_pad\|>'"):
         next(loader)
 
 

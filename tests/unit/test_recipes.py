@@ -85,3 +85,13 @@ def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
     for ref, policy in zip(recipe.reference.model.parameters(), warmed):
         torch.testing.assert_close(ref.detach(), policy, rtol=0, atol=0)
     recipe.close()
+
+
+def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"prompt": "{i}+1?", "answer": "{i + 1}"}}\n' for i in range(6)))
+    args = ["--job.config_file", str(CONFIGS / "debug_grpo.toml"), "--job.dump_folder", str(tmp_path / "grpo"),
+            "--rl.task", "jsonl", "--rl.task_path", str(rows), "--rl.num_eval_prompts", "1", "--rl.num_train_prompts", "0",
+            "--rl.sft_warmup_steps", "3", "--rl.sft_warmup_batch_size", "4"]
+    with pytest.raises(ValueError, match=r"rl.sft_warmup_steps=3: .*rl.num_train_prompts=0 leaves none of the 5 "):
+        GRPORecipe(parse(*args))

@@ -7,7 +7,7 @@ import pytest
 from torchtitan_rl.data.chat import tokenize_prompt, tokenize_row
 from torchtitan_rl.data.tasks import BUILTIN_TASKS, IMAGE_TASKS
 from torchtitan_rl.data.tokenizer import ByteTokenizer
-from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, build_task
+from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, answered_rows, build_task
 
 TOKENIZER = ByteTokenizer()
 PROBLEM = Problem(({"role": "user", "content": "q"},), "42", "test")
@@ -145,13 +145,14 @@ def test_too_few_distinct_questions_is_an_error(monkeypatch):
     # Three possible questions: all of them land in the train pool, none is left for eval.
     monkeypatch.setitem(builtin.QUESTION_GENERATORS, "arithmetic", lambda rng: (f"q{rng.randint(0, 2)}", "a"))
     assert len(build_task("arithmetic", num_train=3, num_eval=0, seed=0).train_problems) == 3
-    with pytest.raises(ValueError, match="only 0 distinct eval problems of the 1"):
+    with pytest.raises(ValueError, match="only 0 distinct eval problems of the 1") as error:
         build_task("arithmetic", num_train=3, num_eval=1, seed=0)
+    assert_names_config_keys(str(error.value))
 
 
 def test_sft_rows_tokenize_with_the_rl_prompt_as_prefix():
     task = build_task("reverse", num_train=20, num_eval=5, seed=0)
-    rows = task.sft_rows()
+    rows = answered_rows(task.train_problems)
     assert len(rows) == 20
     for row, problem in zip(rows, task.train_problems):
         tokens, mask = tokenize_row(row, TOKENIZER)
@@ -211,6 +212,24 @@ def test_jsonl_holdout_is_seeded_disjoint_and_in_file_order(tmp_path):
     assert pools(seed=0) == (train, held_out) and pools(seed=1)[1] != held_out
     subset, same_held_out = pools(seed=0, num_train=5)
     assert same_held_out == held_out and len(subset) == 5 and set(subset) < set(train) and subset == sorted(subset)
+    # The rows left out of the RL pool are the warm-up's; none without a subset.
+    task = build_task("jsonl", path=str(tmp_path), num_train=5, num_eval=6, seed=0)
+    spare = [int(p.answer) for p in task.spare_problems]
+    assert sorted(spare + subset) == train and spare == sorted(spare)
+    assert build_task("jsonl", path=str(tmp_path), num_train=0, num_eval=6, seed=0).spare_problems == ()
+
+
+def test_jsonl_spare_rows_never_repeat_a_train_prompt(tmp_path):
+    rows = [json.dumps({"prompt": f"q{i % 4}", "answer": str(i)}) for i in range(12)]
+    file = write_lines(tmp_path / "r.jsonl", rows)
+    for seed in range(5):
+        task = build_task("jsonl", path=str(file), num_train=3, num_eval=0, seed=seed)
+        train_prompts = {p.prompt_key() for p in task.train_problems}
+        assert not train_prompts & {p.prompt_key() for p in task.spare_problems}
+        trained = {p.answer for p in task.train_problems}
+        questions = {p.messages[0]["content"] for p in task.train_problems}
+        expected = [str(i) for i in range(12) if str(i) not in trained and f"q{i % 4}" not in questions]
+        assert [p.answer for p in task.spare_problems] == expected and len(expected) > 0
 
 
 def test_jsonl_train_rows_repeating_a_held_out_prompt_are_dropped(tmp_path):
@@ -266,15 +285,24 @@ def test_jsonl_numeric_match_needs_numeric_answers(tmp_path):
         (lambda d: d / "missing.jsonl", {}, "does not exist"),
         (lambda d: write_lines(d / "rows.json", [GOOD]), {}, "not a .jsonl file"),
         (lambda d: d, {}, "directory with no .jsonl files"),
-        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 3}, "3 rows, fewer than num_eval \\+ 1 = 4"),
-        (lambda d: write_lines(d / "r.jsonl", numbered_rows(4)), {"num_eval": 1, "num_train": 4}, "num_train=4"),
-        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 1}, "repeats a held-out prompt"),
+        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 3},
+         "3 rows, fewer than rl.num_eval_prompts \\+ 1 = 4"),
+        (lambda d: write_lines(d / "r.jsonl", numbered_rows(4)), {"num_eval": 1, "num_train": 4},
+         "rl.num_train_prompts=4 but only 3 rows"),
+        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 1},
+         "repeats a held-out prompt; lower rl.num_eval_prompts"),
     ],
 )
 def test_jsonl_file_errors(tmp_path, setup, options, match):
     path = setup(tmp_path)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         build_task("jsonl", path=str(path), **{"num_train": 0, "num_eval": 0, "seed": 0, **options})
+    assert_names_config_keys(str(error.value))
+
+
+def assert_names_config_keys(message: str) -> None:
+    """Errors a user fixes in the config name its keys, never build_task's argument names."""
+    assert not re.search(r"(?<!rl\.)\b(num_train|num_eval|path|answer_match)\b", message), message
 
 
 # ---------------------------------------------------------------- options fail closed
@@ -283,17 +311,18 @@ def test_jsonl_file_errors(tmp_path, setup, options, match):
 @pytest.mark.parametrize(
     "name, options, match",
     [
-        ("sudoku", {}, r"unknown RL task 'sudoku'; valid tasks: \['arithmetic', 'jsonl', 'reverse'\]"),
-        ("arithmetic", {"path": "data.jsonl"}, "path='data.jsonl'"),
-        ("reverse", {"answer_match": "numeric"}, "answer_match must be 'exact'"),
-        ("arithmetic", {"num_train": 0}, "num_train >= 1"),
-        ("arithmetic", {"num_eval": -1}, "num_eval=-1"),
-        ("jsonl", {}, "task 'jsonl' needs path"),
+        ("sudoku", {}, r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'jsonl', 'reverse'\]"),
+        ("arithmetic", {"path": "data.jsonl"}, "rl.task_path='data.jsonl'"),
+        ("reverse", {"answer_match": "numeric"}, "rl.answer_match: .* must be 'exact'"),
+        ("arithmetic", {"num_train": 0}, "rl.num_train_prompts: task 'arithmetic' needs at least 1"),
+        ("arithmetic", {"num_eval": -1}, "rl.num_eval_prompts=-1"),
+        ("jsonl", {}, "rl.task_path: task 'jsonl' needs a .jsonl file"),
     ],
 )
 def test_unused_or_invalid_options_are_rejected(name, options, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as error:
         build_task(name, **{"num_train": 4, "num_eval": 1, "seed": 0, **options})
+    assert_names_config_keys(str(error.value))
 
 
 def test_registry_names():

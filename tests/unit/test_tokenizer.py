@@ -1,3 +1,4 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,42 @@ def test_image_token_ids_from_configured_strings(tmp_path):
     assert image_token_ids(tokenizer) == ImageTokenIds(*(reference.token_to_id(t) for t in ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]))
     with pytest.raises(ValueError, match=r"image_token='\[IMG\]'"):
         image_token_ids(HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "text"))))
+
+
+# The added tokens of a stock Qwen3 tokenizer.json up to its vision specials, in Qwen's order.
+QWEN_SPECIAL_TOKENS = SPECIAL_TOKENS + [
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def test_a_qwen_tokenizer_uses_its_vision_specials_with_the_default_strings(tmp_path):
+    directory = make_hf_tokenizer_dir(tmp_path / "qwen", QWEN_SPECIAL_TOKENS)
+    reference = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    qwen_ids = ImageTokenIds(*(reference.token_to_id(t) for t in ["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"]))
+    assert None not in dataclasses.astuple(qwen_ids)
+    tokenizer = HFTokenizer(str(directory))
+    assert image_token_ids(tokenizer) == qwen_ids
+    assert image_token_ids(tokenizer, "[IMG]", "[IMG_BREAK]", "[IMG_END]") == qwen_ids  # the defaults, spelt out
+    # Strings set to anything else are used as given: Qwen's own ...
+    assert image_token_ids(tokenizer, "<|image_pad|>", "<|video_pad|>", "<|vision_end|>") == ImageTokenIds(
+        qwen_ids.image, reference.token_to_id("<|video_pad|>"), qwen_ids.image_end
+    )
+    # ... or missing ones, which stay an error.
+    with pytest.raises(ValueError, match=r"image_token='<img>'"):
+        image_token_ids(tokenizer, image_token="<img>")
+    # A tokenizer that has the defaults uses them, whatever else it has.
+    both = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "both", QWEN_SPECIAL_TOKENS + PIXTRAL_TOKENS)))
+    assert image_token_ids(both) == ImageTokenIds(*(both.token_to_id(t) for t in PIXTRAL_TOKENS))
+    # One default present is not Qwen's layout: the missing ones are named.
+    partial = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "partial", QWEN_SPECIAL_TOKENS + ["[IMG]"])))
+    with pytest.raises(ValueError, match=r"image_break_token='\[IMG_BREAK\]', image_end_token='\[IMG_END\]'"):
+        image_token_ids(partial)
+    # Qwen's specials only in part: no mapping, and the error says which tokens would be used.
+    no_pad = [t for t in QWEN_SPECIAL_TOKENS if t != "<|vision_pad|>"]
+    with pytest.raises(ValueError, match=r"image_token='\[IMG\]'.*<\|image_pad\|>, <\|vision_pad\|>, <\|vision_end\|>"):
+        image_token_ids(HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "no_pad", no_pad))))
 
 
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS[:-1])

@@ -8,6 +8,8 @@ the field (``bounded``) so the parser can check them and ``--help`` can print th
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from torchtitan_rl.config.validation import validate_job_config
+
 
 def bounded(default, *, gt=None, ge=None, lt=None, le=None):
     """A field default plus the numeric range that ``ConfigManager`` enforces on it."""
@@ -317,7 +319,9 @@ class MoE:
 
     aux_loss_coef: float = bounded(0.0, ge=0)
     """Coefficient of the load-balancing loss E * sum_e f_e * P_e (f: share of top-k
-    assignments, P: mean router probability of expert e); 0 disables it."""
+    assignments, P: mean router probability of expert e); 0 disables it. A Hugging Face export
+    writes it as router_aux_loss_coef (with output_router_logits = true); with 0 it keeps the
+    values of the imported config.json (a named flavor: 0.001 and false)."""
 
     aux_loss_scope: Literal["global", "sequence", "microbatch"] = "global"
     """Which tokens one load-balancing loss covers. global: the whole mini-batch (HF's / Qwen's
@@ -406,9 +410,11 @@ class RL:
     """k of the sampled pass@k evaluation (completions per held-out prompt)."""
 
     sft_warmup_steps: int = bounded(0, ge=0)
-    """SFT steps on the task's own prompts and answers before RL, run only when the run starts
-    from scratch (no checkpoint to resume, no checkpoint.initial_load_path): a random model
-    never earns a reward."""
+    """SFT steps before RL on answered problems of the task that are neither RL training nor
+    held-out prompts: fresh problems of a built-in task; for rl.task = "jsonl", the rows left out
+    of rl.num_train_prompts (an error when none are). Run only when the run starts from scratch
+    (no checkpoint to resume, no checkpoint.initial_load_path): a random model never earns a
+    reward."""
 
     sft_warmup_batch_size: int = bounded(32, ge=1)
     """Sequences per SFT warm-up step (over all ranks; divisible by the data-parallel degree)."""
@@ -573,3 +579,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)
+
+    def validate(self) -> None:
+        """The rules that span keys (``config/validation.py``); ``ConfigManager`` runs them after parsing."""
+        validate_job_config(self)

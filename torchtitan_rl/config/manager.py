@@ -1,7 +1,11 @@
-"""Builds a ``JobConfig`` from defaults, a TOML recipe and ``--section.key value`` overrides.
+"""Builds a config (a ``JobConfig`` by default) from defaults, a TOML recipe and
+``--section.key value`` overrides, prints ``--help`` and writes a config back as TOML.
 
-Fails closed: an unknown key, a value of the wrong type or out of range is a ``ValueError``
-naming the dotted key, never a silently ignored setting.
+Generic: it knows the shape of a config (sections of typed fields, ranges from ``bounded``),
+not the project's rules; those that span keys are the config's ``validate`` method
+(``JobConfig``'s are in ``config/validation.py``). Fails closed: an unknown key, a value of the
+wrong type or out of range is a ``ValueError`` naming the dotted key, never a silently ignored
+setting.
 """
 
 import ast
@@ -22,7 +26,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from torchtitan_rl.config.job_config import RL, Checkpoint, Compile, Generation, JobConfig, MoE, Training
+from torchtitan_rl.config.job_config import JobConfig
 
 _CONFIG_FILE_KEY = "job.config_file"
 _TRUE = ("true", "1", "yes")
@@ -45,7 +49,8 @@ class _Field:
 
 class ConfigManager:
     """Parses command lines into ``config_cls``: a dataclass whose fields are section
-    dataclasses whose fields are scalars, ``Literal``, ``Optional`` or ``list`` of scalars."""
+    dataclasses whose fields are scalars, ``Literal``, ``Optional`` or ``list`` of scalars.
+    A ``validate()`` method of ``config_cls``, if any, runs on every parsed config."""
 
     def __init__(self, config_cls: type = JobConfig):
         self.config_cls = config_cls
@@ -79,8 +84,8 @@ class ConfigManager:
             by_section.setdefault(section, {})[name] = value
         cfg = self.config_cls(**{s: self.sections[s](**kw) for s, kw in by_section.items()})
         self._check_bounds(cfg)
-        if isinstance(cfg, JobConfig):
-            _check_job_config(cfg)
+        if hasattr(cfg, "validate"):
+            cfg.validate()
         return cfg
 
     def format_help(self) -> str:

@@ -16,7 +16,7 @@ from torch import nn
 
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
-from torchtitan_rl.config.manager import HF_FLAVOR, check_model_settings, hf_config_dir
+from torchtitan_rl.config.validation import HF_FLAVOR, check_model_settings, hf_config_dir
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
 from torchtitan_rl.data.vision_samples import VisionDataConfig

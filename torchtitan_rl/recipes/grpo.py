@@ -41,7 +41,7 @@ from torchtitan_rl.rl.rollouts import (
     split_among_peers,
     to_samples,
 )
-from torchtitan_rl.rl.tasks import build_task
+from torchtitan_rl.rl.tasks import answered_rows, build_task
 from torchtitan_rl.recipes.base import (
     REDUCE_DTYPES,
     Recipe,
@@ -106,7 +106,8 @@ class GRPORecipe(Recipe):
                 f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
                 f"{dims.batch_degree} (dp_replicate * dp_shard)"
             )
-        if rl.sft_warmup_steps:
+        warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
+        if warmup:
             check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
         num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
         self.task = build_task(
@@ -119,6 +120,14 @@ class GRPORecipe(Recipe):
             format_reward=rl.format_reward,
             answer_match=rl.answer_match,
         )
+        if warmup and rl.task == "jsonl" and not self.task.spare_problems:
+            # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
+            raise ValueError(
+                f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task 'jsonl' trains on rows outside "
+                f"the RL pool and the held-out prompts, and rl.num_train_prompts={rl.num_train_prompts} leaves none "
+                f"of the {len(self.task.train_problems)} candidate rows of {rl.task_path!r}; set "
+                "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
+            )
         tokenizer = run.tokenizer
         self.stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
         self.train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in self.task.train_problems]
@@ -146,8 +155,8 @@ class GRPORecipe(Recipe):
         return Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=self.device, options=self.engine.options, autocast_dtype=self.engine.autocast_dtype)
 
     def _sft_warmup(self) -> None:
-        """SFT on the task's own prompts and answers with a throw-away AdamW, so RL starts from
-        a policy that earns rewards sometimes."""
+        """SFT on answered problems of the task that are neither RL nor held-out prompts, with a
+        throw-away AdamW, so RL starts from a policy that earns rewards sometimes."""
         cfg = self.job_config
         rl, o, t = cfg.rl, cfg.optimizer, cfg.training
         optimizer = build_optimizer(
@@ -179,14 +188,14 @@ class GRPORecipe(Recipe):
     def _warmup_rows(self) -> list[dict]:
         rl = self.job_config.rl
         if rl.task == "jsonl":
-            return self.task.sft_rows()
+            return answered_rows(self.task.spare_problems)
         # Other problems of the built-in task, none of them an RL or held-out prompt: the warm-up
         # teaches the format and some skill, RL still has to find the pool's answers.
         num_rows = min(rl.sft_warmup_steps * rl.sft_warmup_batch_size, _WARMUP_POOL_SIZE)  # the loader repeats them
         extra = build_task(rl.task, num_train=num_rows, num_eval=0, seed=self.job_config.debug.seed + 1)
         taken = {p.prompt_key() for p in (*self.task.train_problems, *self.task.eval_problems)}
         kept = tuple(p for p in extra.train_problems if p.prompt_key() not in taken)
-        return dataclasses.replace(extra, train_problems=kept).sft_rows()
+        return answered_rows(kept)
 
     # ------------------------------------------------------------------ the RL step
 

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.models.attention import AttentionState, LayerAttention, build_attention_context
 from torchtitan_rl.models.moe import MoE, RouterStats
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -162,17 +164,38 @@ class MoETransformerBlock(nn.Module):
 @dataclass(frozen=True)
 class TokenShard:
     """Which tokens of the micro-batch this rank's residual stream holds: chunk ``rank`` of
-    ``degree`` equal chunks (sequence-parallel TP, see ``parallelize.apply_tp``); the whole
-    micro-batch when ``degree`` is 1."""
+    ``degree`` equal chunks over ``mesh`` (sequence-parallel TP, see ``parallelize.apply_tp``);
+    the whole micro-batch when ``degree`` is 1 (``mesh`` None)."""
 
     rank: int = 0
     degree: int = 1
+    mesh: DeviceMesh | None = None
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a per-token tensor of the whole micro-batch (dim 0 = tokens)."""
         if self.degree == 1:
             return values
         return values.chunk(self.degree)[self.rank]
+
+    def replicated(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` computed alike on every rank of the shard, of which each rank's tokens
+        use their own part (image features): identity forward; backward sums the gradient over
+        the ranks, so it is whole and equal on every rank (Megatron's "copy to tensor-parallel
+        region")."""
+        if self.degree == 1:
+            return values
+        return _SumGradOverRanks.apply(values, self.mesh)
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous(), "sum", ctx.mesh), None
 
 
 class Qwen3Model(nn.Module):
@@ -197,7 +220,7 @@ class Qwen3Model(nn.Module):
 
     def set_token_shard(self, token_shard: TokenShard) -> None:
         """Declare which tokens the residual stream holds (the TP parallelize step does), so
-        that per-token metadata (MoE routing, image features) lines up with it."""
+        that per-token inputs (MoE routing metadata, image features) line up with it."""
         self.token_shard = token_shard
 
     def shard_tokens(self, values: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         model.output.weight = model.tok_embeddings.weight
     # Per-token metadata of the residual stream (MoE routing, image features) follows its
     # token shard: Shard(0) over tp gives rank r the r-th of tp equal chunks.
-    model.set_token_shard(TokenShard(rank=tp_mesh.get_local_rank(), degree=tp_mesh.size()))
+    model.set_token_shard(TokenShard(rank=tp_mesh.get_local_rank(), degree=tp_mesh.size(), mesh=tp_mesh))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _moe_plan() if hasattr(block, "moe") else _dense_mlp_plan())
         parallelize_module(

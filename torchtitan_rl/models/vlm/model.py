@@ -79,9 +79,6 @@ class VLMModel(Qwen3Model):
         super().__init__(args)
         self.vision_tower = VisionTransformer(args.vision)
         self.projector = Projector(args)
-        # (h, features, vision_index) -> h. A plain function, not a method: tensor parallel swaps
-        # it for one that sums the features' gradient over the TP ranks.
-        self.merge_vision_features = merge_vision_features
 
     def blocks(self) -> list[nn.Module]:
         return [*self.vision_tower.layers.values(), *super().blocks()]
@@ -124,8 +121,10 @@ class VLMModel(Qwen3Model):
                 # Free on the host; on an accelerator it would cost a sync per forward (there an
                 # out-of-range gather fails on its own).
                 _check_vision_index(index, features.shape[0])
-            # Under sequence-parallel TP the residual stream holds this rank's token shard only.
-            h = self.merge_vision_features(h, features, self.shard_tokens(index))
+            # Under sequence-parallel TP the residual stream holds this rank's token shard only:
+            # every TP rank encodes all images and takes its tokens' feature rows, so the
+            # features' gradient is summed over the TP ranks (models/vlm/parallelize.py).
+            h = merge_vision_features(h, self.token_shard.replicated(features), self.shard_tokens(index))
         return self.run_layers(h, positions, seq_ids, attention=attention)
 
     @torch.no_grad()

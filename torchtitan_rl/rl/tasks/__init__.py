@@ -1,7 +1,7 @@
 """Verifiable RL tasks: prompt pools with reference answers, and rewards that check the answers.
 
 ``build_task`` is the one entry point; ``TASKS`` maps each task name to the builder of its
-``(train, eval)`` problem pools. Reward formulas are in ``torchtitan_rl.rl.tasks.rewards``.
+``(train, eval, spare)`` problem pools. Reward formulas are in ``torchtitan_rl.rl.tasks.rewards``.
 """
 
 from collections.abc import Callable
@@ -11,9 +11,9 @@ from torchtitan_rl.data.questions import QUESTION_GENERATORS
 from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools
 from torchtitan_rl.rl.tasks.jsonl import jsonl_problem_pools
 from torchtitan_rl.rl.tasks.rewards import ANSWER_MATCHES, Reward, RewardSpec
-from torchtitan_rl.rl.tasks.task import Problem, Task, VerifiableTask
+from torchtitan_rl.rl.tasks.task import Problem, Task, VerifiableTask, answered_rows
 
-ProblemPoolBuilder = Callable[..., tuple[list[Problem], list[Problem]]]
+ProblemPoolBuilder = Callable[..., tuple[list[Problem], list[Problem], list[Problem]]]
 """Called with keywords path, num_train, num_eval, seed, answer_match; rejects the ones it does not use."""
 
 TASKS: dict[str, ProblemPoolBuilder] = {
@@ -36,17 +36,20 @@ def build_task(
     """The task ``name`` with ``num_train`` train and ``num_eval`` held-out problems drawn from ``seed``.
 
     ``path`` is the file or directory of the ``jsonl`` task; ``partial_credit``, ``format_reward``
-    and ``answer_match`` set the reward (see ``rewards``).
+    and ``answer_match`` set the reward (see ``rewards``). The arguments are the ``[rl]`` keys
+    task, task_path, num_train_prompts, num_eval_prompts, ..., and errors name those keys.
     """
     if name not in TASKS:
-        raise ValueError(f"unknown RL task {name!r}; valid tasks: {sorted(TASKS)}")
+        raise ValueError(f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     if num_train < 0 or num_eval < 0:
-        raise ValueError(f"num_train={num_train} and num_eval={num_eval} must be >= 0")
+        raise ValueError(
+            f"rl.num_train_prompts={num_train} and rl.num_eval_prompts={num_eval} must be >= 0"
+        )
     reward_spec = RewardSpec(partial_credit=partial_credit, format_reward=format_reward, answer_match=answer_match)
-    train, eval_problems = TASKS[name](
+    train, eval_problems, spare = TASKS[name](
         path=path, num_train=num_train, num_eval=num_eval, seed=seed, answer_match=answer_match
     )
-    return VerifiableTask(name, tuple(train), tuple(eval_problems), reward_spec)
+    return VerifiableTask(name, tuple(train), tuple(eval_problems), reward_spec, tuple(spare))
 
 
-__all__ = ["ANSWER_MATCHES", "TASKS", "Problem", "Reward", "RewardSpec", "Task", "VerifiableTask", "build_task"]
+__all__ = ["ANSWER_MATCHES", "TASKS", "Problem", "answered_rows", "Reward", "RewardSpec", "Task", "VerifiableTask", "build_task"]

@@ -30,24 +30,29 @@ def _distinct_problems(
     if len(problems) < count:
         raise ValueError(
             f"task {task_name!r} yielded only {len(problems)} distinct {split} problems of the {count} asked for "
-            "(after excluding the train pool); lower num_train or num_eval"
+            "(after excluding the train pool); lower rl.num_train_prompts or rl.num_eval_prompts"
         )
     return problems
 
 
 def builtin_problem_pools(
     task_name: str, *, path: str, num_train: int, num_eval: int, seed: int, answer_match: str
-) -> tuple[list[Problem], list[Problem]]:
-    """``(train, eval)`` problems of the built-in task ``task_name``; rejects options it does not use."""
+) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """``(train, eval, spare)`` problems of the built-in task ``task_name`` (no spare ones: a
+    generator can always draw more); rejects options it does not use."""
     if path:
-        raise ValueError(f"task {task_name!r} is built in and reads no file, but path={path!r}; leave path empty")
+        raise ValueError(
+            f"rl.task_path: task {task_name!r} is built in and reads no file, but rl.task_path={path!r}; leave it empty"
+        )
     if answer_match != "exact":
-        raise ValueError(f"task {task_name!r} has exact answers: answer_match must be 'exact', got {answer_match!r}")
+        raise ValueError(
+            f"rl.answer_match: task {task_name!r} has exact answers, so it must be 'exact', got {answer_match!r}"
+        )
     if num_train < 1:
-        raise ValueError(f"task {task_name!r} needs num_train >= 1, got {num_train}")
+        raise ValueError(f"rl.num_train_prompts: task {task_name!r} needs at least 1, got {num_train}")
     generate = QUESTION_GENERATORS[task_name]
     train = _distinct_problems(task_name, "train", generate, random.Random(seed), num_train, excluded=set())
     # A string seed gives a stream unrelated to every integer seed's, so eval never replays train draws.
     eval_rng = random.Random(f"eval-{seed}")
     train_prompts = {problem.prompt_key() for problem in train}
-    return train, _distinct_problems(task_name, "eval", generate, eval_rng, num_eval, excluded=train_prompts)
+    return train, _distinct_problems(task_name, "eval", generate, eval_rng, num_eval, excluded=train_prompts), []

@@ -24,14 +24,14 @@ ROW_FORMATS = (
 def _jsonl_files(path: str) -> list[Path]:
     root = Path(path)
     if not root.exists():
-        raise ValueError(f"task 'jsonl': path={path!r} does not exist")
+        raise ValueError(f"rl.task_path: {path!r} does not exist")
     if root.is_file():
         if root.suffix != ".jsonl":
-            raise ValueError(f"task 'jsonl': path={path!r} is not a .jsonl file")
+            raise ValueError(f"rl.task_path: {path!r} is not a .jsonl file")
         return [root]
     files = sorted(p for p in root.rglob("*.jsonl") if p.is_file())
     if not files:
-        raise ValueError(f"task 'jsonl': path={path!r} is a directory with no .jsonl files")
+        raise ValueError(f"rl.task_path: {path!r} is a directory with no .jsonl files")
     return files
 
 
@@ -94,18 +94,18 @@ def read_problems(file: Path, answer_match: str) -> list[Problem]:
 
 def jsonl_problem_pools(
     *, path: str, num_train: int, num_eval: int, seed: int, answer_match: str
-) -> tuple[list[Problem], list[Problem]]:
-    """``(train, eval)`` problems of the rows under ``path``, each pool in file order.
+) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """``(train, eval, spare)`` problems of the rows under ``path``, each pool in file order.
 
     ``num_train=0`` trains on every row not held out; a positive ``num_train`` takes a seeded
-    random subset of that many.
+    random subset of that many, and the rest whose prompts are not train prompts are spare.
     """
     if not path:
-        raise ValueError("task 'jsonl' needs path: a .jsonl file or a directory of them")
+        raise ValueError("rl.task_path: task 'jsonl' needs a .jsonl file or a directory of them")
     problems = [problem for file in _jsonl_files(path) for problem in read_problems(file, answer_match)]
     if len(problems) < num_eval + 1:
         raise ValueError(
-            f"task 'jsonl': {path!r} has {len(problems)} rows, fewer than num_eval + 1 = {num_eval + 1} "
+            f"task 'jsonl': {path!r} has {len(problems)} rows, fewer than rl.num_eval_prompts + 1 = {num_eval + 1} "
             "(the held-out rows plus at least one to train on)"
         )
     rng = random.Random(seed)
@@ -114,9 +114,14 @@ def jsonl_problem_pools(
     eval_prompts = {problem.prompt_key() for problem in eval_problems}
     train = [p for i, p in enumerate(problems) if i not in held_out and p.prompt_key() not in eval_prompts]
     if not train:
-        raise ValueError(f"task 'jsonl': every row of {path!r} repeats a held-out prompt; lower num_eval")
+        raise ValueError(f"task 'jsonl': every row of {path!r} repeats a held-out prompt; lower rl.num_eval_prompts")
     if num_train > len(train):
-        raise ValueError(f"task 'jsonl': num_train={num_train} but only {len(train)} rows of {path!r} are not held out")
-    if num_train:
-        train = [train[i] for i in sorted(rng.sample(range(len(train)), num_train))]
-    return train, eval_problems
+        raise ValueError(
+            f"task 'jsonl': rl.num_train_prompts={num_train} but only {len(train)} rows of {path!r} are not held out"
+        )
+    if not num_train:
+        return train, eval_problems, []
+    chosen = set(rng.sample(range(len(train)), num_train))
+    train, rest = [p for i, p in enumerate(train) if i in chosen], [p for i, p in enumerate(train) if i not in chosen]
+    train_prompts = {problem.prompt_key() for problem in train}
+    return train, eval_problems, [problem for problem in rest if problem.prompt_key() not in train_prompts]

@@ -27,13 +27,12 @@ class Task(Protocol):
     """The prompt pool the RL stream samples from."""
     eval_problems: Sequence[Problem]
     """Held out: no eval prompt is also a train prompt."""
+    spare_problems: Sequence[Problem]
+    """Problems of the source in neither pool whose prompts are no train or eval prompt (the
+    rows a jsonl task leaves out of ``rl.num_train_prompts``): what an SFT warm-up may train on."""
 
     def reward(self, problem: Problem, completion: str, stopped: bool) -> Reward:
         """``completion`` is decoded without its stop token; ``stopped`` is False when cut at max length."""
-        ...
-
-    def sft_rows(self) -> list[dict]:
-        """The train problems answered, as chat rows for an SFT warm start."""
         ...
 
 
@@ -45,13 +44,16 @@ class VerifiableTask:
     train_problems: tuple[Problem, ...]
     eval_problems: tuple[Problem, ...]
     reward_spec: RewardSpec
+    spare_problems: tuple[Problem, ...] = ()
 
     def reward(self, problem: Problem, completion: str, stopped: bool) -> Reward:
         return self.reward_spec.score(completion, problem.answer, stopped)
 
-    def sft_rows(self) -> list[dict]:
-        # Copies: a caller editing a row must not edit the problems the RL stream samples.
-        return [
-            {"messages": [dict(m) for m in problem.messages] + [{"role": "assistant", "content": problem.answer}]}
-            for problem in self.train_problems
-        ]
+
+def answered_rows(problems: Sequence[Problem]) -> list[dict]:
+    """``problems`` with their reference answers as the assistant turn: chat rows for SFT."""
+    # Copies: a caller editing a row must not edit the problems the RL stream samples.
+    return [
+        {"messages": [dict(m) for m in problem.messages] + [{"role": "assistant", "content": problem.answer}]}
+        for problem in problems
+    ]

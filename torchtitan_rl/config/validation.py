@@ -1,0 +1,252 @@
+"""The project's rules on a ``JobConfig`` beyond each key's type and range: keys that depend on
+each other, on the recipe, on the model's architecture or on an HF ``config.json``.
+
+``JobConfig.validate`` runs ``validate_job_config`` after every parse. The checks that need the
+world size live with the mesh (``distributed/parallel_dims.py``); those that need the
+architecture of ``model.flavor = "hf"`` run once its config.json is read
+(``check_model_settings``). Every error is a ``ValueError`` naming the key (and the file).
+
+The section classes are not imported here (``job_config`` imports this module): a section's
+defaults are ``type(section)()``.
+"""
+
+import dataclasses
+
+# model.flavor value that takes the architecture from a Hugging Face config.json.
+HF_FLAVOR = "hf"
+# Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
+RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
+# SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
+_SFT_DATA_KEYS = (
+    "dataset", "dataset_path", "global_batch_size", "balance_dp_compute", "dataset_cache_dir",
+    "dataset_cache_timeout_seconds", "dataset_prefetch",
+)
+# Keys that only a model with a vision tower reads.
+_VISION_KEYS = (("model", ("freeze_vision", "image_token", "image_break_token", "image_end_token")),
+                ("training", ("max_patches_per_microbatch", "max_image_tokens")))
+
+
+def validate_job_config(cfg) -> None:
+    """Every rule that spans keys of the ``JobConfig`` ``cfg``; the first broken one is a ValueError."""
+    training = cfg.training
+    if 0 < training.max_tokens_per_microbatch < training.seq_len:
+        raise ValueError(
+            f"training.max_tokens_per_microbatch: must be 0 or >= training.seq_len "
+            f"({training.seq_len}) so every sequence fits, got {training.max_tokens_per_microbatch}"
+        )
+    loss = cfg.loss
+    if loss.horizon is not None and loss.reduction != "seq_mean_token_sum_norm":
+        # Fail closed: a horizon the chosen mode ignores is almost surely a mistaken mode.
+        raise ValueError(
+            f"loss.horizon: only used by loss.reduction = 'seq_mean_token_sum_norm', "
+            f"but the reduction is {loss.reduction!r}; remove the key or change the mode"
+        )
+    shard = cfg.parallelism.data_parallel_shard_degree
+    if shard != -1 and shard < 1:
+        raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
+    _check_profiling(cfg)
+    _check_checkpoint(cfg)
+    _check_compile(cfg)
+    _check_recipe(cfg)
+    # Imported here: torch and the model package are heavy and not needed to parse a command line.
+    from torchtitan_rl.losses.loss_fns import loss_fn_from_config
+    from torchtitan_rl.models.registry import get_model_spec
+
+    loss_fn_from_config(cfg.loss)
+
+    spec = get_model_spec(cfg.model.name)
+    if cfg.model.flavor == HF_FLAVOR:
+        _check_hf_flavor(cfg)
+        # The architecture is only known once config.json is read: the recipe calls
+        # check_model_settings with it.
+        return
+    if cfg.model.flavor not in spec.flavors:
+        raise ValueError(
+            f"model.flavor: unknown flavor {cfg.model.flavor!r} for model.name "
+            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, [*spec.flavors, HF_FLAVOR]))}"
+        )
+    check_model_settings(cfg, spec.flavors[cfg.model.flavor])
+
+
+def hf_config_dir(cfg) -> str:
+    """The directory whose config.json defines the model of ``model.flavor = "hf"``."""
+    ckpt = cfg.checkpoint
+    return ckpt.initial_load_path if ckpt.initial_load_in_hf else cfg.model.hf_assets_path
+
+
+def _check_hf_flavor(cfg) -> None:
+    if not hf_config_dir(cfg):
+        raise ValueError(
+            "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path "
+            "(with checkpoint.initial_load_in_hf = true) or of model.hf_assets_path; set one of them"
+        )
+
+
+def check_model_settings(cfg, model_args) -> None:
+    """The checks that depend on the model's architecture (vision keys, MoE keys). Errors about
+    args read from a config.json (``model_args.source``) name that file and its fields."""
+    from torchtitan_rl.models.registry import spec_for_args
+
+    source = model_args.source
+    if spec_for_args(model_args).takes_images:
+        _check_vision_model(cfg, model_args.spatial_merge_size, source)
+    else:
+        _check_no_vision_keys(cfg)
+    _check_moe(cfg, model_args.is_moe, source)
+
+
+def _check_moe(cfg, is_moe: bool, source: str) -> None:
+    if cfg.parallelism.expert_parallel_degree != 1:
+        raise ValueError(
+            "parallelism.expert_parallel_degree: expert parallel is not supported yet (experts are FSDP-sharded "
+            "over dp_shard x cp x tp); set it to 1"
+        )
+    unused = _non_default(cfg.moe)
+    if unused and not is_moe:
+        model = (
+            f"{source} describes a dense model (num_experts is 0 or absent)"
+            if source
+            else f"model.flavor={cfg.model.flavor!r} has no experts (a dense model)"
+        )
+        raise ValueError(
+            f"moe.{unused[0]}: {model}; choose a MoE flavor such as 'debugmodel_moe' or remove the key"
+        )
+
+
+def _check_no_vision_keys(cfg) -> None:
+    for section, keys in _VISION_KEYS:
+        values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
+        unused = [key for key in keys if getattr(values, key) != getattr(defaults, key)]
+        if unused:
+            raise ValueError(f"{section}.{unused[0]}: only used by a vision-language model (model.name = 'vlm')")
+
+
+def _check_vision_model(cfg, merge_size: int, source: str) -> None:
+    if cfg.job.recipe != "sft":
+        raise ValueError(
+            f"model.name: {cfg.model.name!r} trains with job.recipe = 'sft' only (GRPO generates text from text prompts)"
+        )
+    tokens = [cfg.model.image_token, cfg.model.image_break_token, cfg.model.image_end_token]
+    if len(set(tokens)) != 3 or not all(tokens):
+        raise ValueError(
+            f"model.image_token / image_break_token / image_end_token: must be three different non-empty strings, "
+            f"got {tokens}"
+        )
+    t = cfg.training
+    largest_image = t.max_image_tokens * merge_size * merge_size
+    if 0 < t.max_patches_per_microbatch < largest_image:
+        merge = f"spatial_merge_size={merge_size} of {source}" if source else f"{merge_size}x{merge_size}"
+        raise ValueError(
+            f"training.max_patches_per_microbatch: must be 0 or >= {largest_image} (training.max_image_tokens="
+            f"{t.max_image_tokens} feature tokens of {merge} patches) so any image fits, got "
+            f"{t.max_patches_per_microbatch}"
+        )
+
+
+def _check_profiling(cfg) -> None:
+    # The steps are checked even while snapshots are off: a recipe that lists a step the run
+    # never reaches would otherwise fail only once someone turns snapshots on.
+    profiling, steps = cfg.profiling, cfg.training.steps
+    key = "profiling.memory_snapshot_steps"
+    if profiling.enable_memory_snapshot and not profiling.memory_snapshot_steps:
+        raise ValueError(
+            f"{key}: is empty but profiling.enable_memory_snapshot = true; list the steps to "
+            "record, e.g. [1], or turn snapshots off"
+        )
+    seen = set()
+    for step in profiling.memory_snapshot_steps:
+        if not 1 <= step <= steps:
+            raise ValueError(f"{key}: step {step} is outside the run's steps 1..{steps} (training.steps)")
+        if step in seen:
+            raise ValueError(f"{key}: step {step} is listed more than once")
+        seen.add(step)
+
+
+def _non_default(section) -> list[str]:
+    """Names of the keys of ``section`` that differ from their defaults."""
+    defaults = type(section)()
+    return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
+
+
+def _check_recipe(cfg) -> None:
+    """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
+    if cfg.job.recipe == "sft":
+        for name in ("rl", "generation"):
+            unused = _non_default(getattr(cfg, name))
+            if unused:
+                raise ValueError(f"{name}.{unused[0]}: only used with job.recipe = 'grpo'")
+        return
+    training_defaults = type(cfg.training)()
+    unused = [key for key in _SFT_DATA_KEYS if getattr(cfg.training, key) != getattr(training_defaults, key)]
+    if unused:
+        raise ValueError(
+            f"training.{unused[0]}: not used by job.recipe = 'grpo', which samples prompts of rl.task "
+            "(rl.prompts_per_step per step)"
+        )
+    loss, rl, generation = cfg.loss, cfg.rl, cfg.generation
+    if loss.loss_fn not in RATIO_LOSS_FNS:
+        raise ValueError(
+            f"loss.loss_fn: job.recipe = 'grpo' trains on advantages; choose one of {', '.join(RATIO_LOSS_FNS)}, "
+            f"not {loss.loss_fn!r}"
+        )
+    if generation.top_p < 1 or generation.top_k > 0:
+        key = "top_p" if generation.top_p < 1 else "top_k"
+        raise ValueError(
+            f"generation.{key}: truncated sampling draws from a distribution the trainer does not evaluate "
+            f"(it sees the full softmax), which biases the ratio of loss.loss_fn = {loss.loss_fn!r}; use "
+            "top_p = 1 and top_k = 0"
+        )
+    if loss.kl_coef > 0 and not rl.use_reference:
+        raise ValueError("loss.kl_coef: the KL penalty needs the reference model; set rl.use_reference = true")
+    if rl.use_reference and loss.kl_coef == 0:
+        raise ValueError("rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0")
+    if (rl.task == "jsonl") != bool(rl.task_path):
+        raise ValueError(
+            "rl.task_path: set it to the .jsonl file (or directory) of rl.task = 'jsonl'"
+            if rl.task == "jsonl"
+            else f"rl.task_path: only used with rl.task = 'jsonl', but rl.task = {rl.task!r}"
+        )
+    if rl.answer_match != "exact" and rl.task != "jsonl":
+        raise ValueError(f"rl.answer_match: only used with rl.task = 'jsonl' (built-in {rl.task!r} matches exactly)")
+    if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_model_only:
+        raise ValueError(
+            "checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights "
+            "only (its optimizer and data position belong to that run)"
+        )
+    if rl.prompts_per_step % rl.num_minibatches != 0:
+        raise ValueError(
+            f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
+        )
+
+
+def _check_compile(cfg) -> None:
+    if not cfg.compile.enable and cfg.compile.backend != type(cfg.compile)().backend:
+        # Fail closed, like checkpoint.*: a backend for a run that compiles nothing is a forgotten enable.
+        raise ValueError("compile.backend: only used with compile.enable = true")
+
+
+def _check_checkpoint(cfg) -> None:
+    ckpt = cfg.checkpoint
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+        raise ValueError(
+            "checkpoint.last_save_in_hf: a Hugging Face save holds only the model weights; "
+            "set checkpoint.last_save_model_only = true as well"
+        )
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
+        raise ValueError("checkpoint.initial_load_in_hf: set checkpoint.initial_load_path to the Hugging Face directory")
+    if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
+        raise ValueError(
+            "checkpoint.initial_load_model_only: must be true with checkpoint.initial_load_in_hf "
+            "(a Hugging Face directory holds no optimizer, schedule or data state)"
+        )
+    if ckpt.load_step > cfg.training.steps:
+        raise ValueError(
+            f"checkpoint.load_step: step {ckpt.load_step} is past the run's last step "
+            f"{cfg.training.steps} (training.steps)"
+        )
+    defaults = type(ckpt)()
+    for key in ("load_step", "keep_latest_k", "last_save_model_only", "async_mode"):
+        if not ckpt.enable and getattr(ckpt, key) != getattr(defaults, key):
+            # Fail closed: a saving or resuming option on a run that never checkpoints is a
+            # forgotten checkpoint.enable.
+            raise ValueError(f"checkpoint.{key}: only used with checkpoint.enable = true")
