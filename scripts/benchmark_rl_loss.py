@@ -1,6 +1,6 @@
 """Cost of the RL loss (ppo + KL + entropy) against cross-entropy, per training step.
 
-    .venv/bin/python scripts/benchmark_rl_loss.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_rl_loss.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_rl_loss.py --no-write # print only
 
 One process, the ``debugmodel`` Qwen3 with its vocabulary set to ``--vocab``; a mini-batch of
@@ -14,32 +14,24 @@ above the step's start on CUDA.
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
-import sys
-import time
 
 import torch
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torch.profiler import ProfilerActivity, profile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from benchmark_docs import publish  # noqa: E402
-from torchtitan_rl.data.sample import Sample  # noqa: E402
-from torchtitan_rl.distributed.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan_rl.engine import Engine, EngineOptions  # noqa: E402
-from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
-from torchtitan_rl.profiling import cpu_memory_timeline  # noqa: E402
-from torchtitan_rl.recipes.base import build_model  # noqa: E402
+from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.profiling import cpu_memory_timeline
+from torchtitan_rl.recipes.base import build_model
 
 LOSSES = {
     "cross_entropy": ("cross_entropy", {}),
     # RL losses always compute the entropy (for rl/entropy); without a bonus it gets no gradient.
     "ppo": ("ppo", {"dual_clip_c": 3.0}),
-    "ppo+kl+entropy": ("ppo", {"dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl", "entropy_coef": 0.01}),
+    "ppo+kl+entropy": ("ppo", {"dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl",
+                               "entropy_coef": 0.01}),
 }
 
 
@@ -78,7 +70,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "rl_loss")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,7 +78,9 @@ def main() -> None:
     dims.build_meshes(device.type)
     model_args = dataclasses.replace(qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend="sdpa_loop")
     model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
-    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction="sequence_mean", horizon=args.seq_len, max_tokens_per_microbatch=args.budget, logits_chunk_size=1024, max_norm=0.0))
+    options = EngineOptions(reduction="sequence_mean", horizon=args.seq_len, max_tokens_per_microbatch=args.budget,
+                            logits_chunk_size=1024, max_norm=0.0)
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
     samples = make_samples(args.samples, args.seq_len, args.vocab)
 
     def step_of(name):
@@ -99,38 +93,24 @@ def main() -> None:
                 torch.cuda.synchronize(device)
         return step
 
-    times = {name: [] for name in LOSSES}
-    for name in LOSSES:
-        step_of(name)()  # warm-up
-    for r in range(args.rounds):
-        for name in (list(LOSSES) if r % 2 == 0 else list(reversed(LOSSES))):
-            start = time.perf_counter()
-            step_of(name)()
-            times[name].append(time.perf_counter() - start)
+    median = time_alternating({name: step_of(name) for name in LOSSES}, args.rounds)
     peaks = {name: peak_bytes(step_of(name), device) for name in LOSSES}
-    median = {name: statistics.median(t) for name, t in times.items()}
-
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda"
-               else f"{platform.machine()}, {os.cpu_count()} cores, CPU only")
-    cmd = " ".join([".venv/bin/python", "scripts/benchmark_rl_loss.py", *sys.argv[1:]])
     base = "cross_entropy"
-    lines = [
-        f"## RL loss overhead per step, {datetime.date.today().isoformat()} ({machine}, torch {torch.__version__})",
+    body = [
+        (f"One process, `debugmodel` Qwen3 with vocab {args.vocab}, {args.samples} × {args.seq_len}-token sequences "
+         f"packed into {args.budget}-token micro-batches, `sequence_mean`; `Engine.forward_backward` + zero_grad, "
+         f"median of {args.rounds} alternating rounds; peak = bytes allocated during one step and still alive "
+         "(memory from before the step not counted)."),
         "",
-        f"Command: `{cmd}` — one process, `debugmodel` Qwen3 with vocab {args.vocab}, {args.samples} × "
-        f"{args.seq_len}-token sequences packed into {args.budget}-token micro-batches, `sequence_mean`; "
-        f"`Engine.forward_backward` + zero_grad, median of {args.rounds} alternating rounds; peak = bytes "
-        "allocated during one step and still alive (memory from before the step not counted).",
+        *markdown_table(["loss", "step time", "peak memory"],
+                        [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{peaks[name] / 2**20:.0f} MiB"]
+                         for name in LOSSES]),
         "",
-        "| loss | step time | peak memory |",
-        "|---|---|---|",
-        *[f"| `{name}` | {median[name] * 1e3:.0f} ms | {peaks[name] / 2**20:.0f} MiB |" for name in LOSSES],
-        "",
-        *[f"- `{name}` / `{base}`: time {median[name] / median[base]:.2f}×, peak memory {peaks[name] / peaks[base]:.2f}×."
-          for name in LOSSES if name != base],
-        "",
+        *[f"- `{name}` / `{base}`: time {ratio(median[name], median[base])}, peak memory "
+          f"{ratio(peaks[name], peaks[base])}." for name in LOSSES if name != base],
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "RL loss overhead per step", "Step time and peak memory of the RL losses (PPO, with KL and "
+            "entropy bonus) against cross-entropy.", body)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Would caching the RoPE cos/sin tables help? Measured on CPU before deciding.
 
-    .venv/bin/python scripts/benchmark_rope_cache.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_rope_cache.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_rope_cache.py --no-write # print only
 
 The Qwen3 model computes its rotary tables from the per-token positions once per forward
@@ -14,20 +14,12 @@ Also checks that both give the same tables bit for bit.
 
 import argparse
 import dataclasses
-import datetime
-import os
-import platform
-import statistics
-import sys
-import time
 
 import torch
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmark_docs import publish  # noqa: E402
-import torchtitan_rl.models.qwen3.model as qwen3_model  # noqa: E402
-from torchtitan_rl.models.qwen3.args import qwen3_flavors  # noqa: E402
+import torchtitan_rl.models.qwen3.model as qwen3_model
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
 
 RECOMPUTE = qwen3_model.rotary_cos_sin
 
@@ -46,15 +38,6 @@ def cached_rotary(max_seq_len: int):
     return rotary
 
 
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(name: str, model_args, num_tokens: int, docs: int, repeats: int) -> dict:
     torch.manual_seed(0)
     model = qwen3_model.Qwen3Model(model_args)
@@ -68,24 +51,24 @@ def measure(name: str, model_args, num_tokens: int, docs: int, repeats: int) -> 
     expected = RECOMPUTE(*args)
     got = variants["cached"](*args)
     exact = all(torch.equal(a, b) for a, b in zip(got, expected))
-    table_time = {v: median_time(lambda fn=fn: fn(*args), 20 * repeats) for v, fn in variants.items()}
+    table_time = time_alternating({v: (lambda fn=fn: fn(*args)) for v, fn in variants.items()}, 20 * repeats)
 
     def step():
         model.zero_grad(set_to_none=True)
         model(tokens, positions, seq_ids).square().mean().backward()
 
-    step_times = {v: [] for v in variants}
-    for round_ in range(repeats + 1):
-        for v in variants if round_ % 2 == 0 else reversed(list(variants)):
-            qwen3_model.rotary_cos_sin = variants[v]
-            start = time.perf_counter()
+    def step_with(rotary):
+        def run():
+            qwen3_model.rotary_cos_sin = rotary
             step()
-            if round_ > 0:  # the first round warms up (and fills the cache)
-                step_times[v].append(time.perf_counter() - start)
+        return run
+
+    # The first (warm-up) round also fills the cache.
+    step_time = time_alternating({v: step_with(fn) for v, fn in variants.items()}, repeats)
     qwen3_model.rotary_cos_sin = RECOMPUTE
     return {
         "name": name, "tokens": num_tokens, "exact": exact, "table": table_time,
-        "step": {v: statistics.median(t) for v, t in step_times.items()},
+        "step": step_time,
     }
 
 
@@ -93,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-write", action="store_true")
+    add_publish_args(parser, "rope_cache")
     args = parser.parse_args()
     debug = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend="sdpa_loop")
     layer = dataclasses.replace(qwen3_flavors["0.6B"], n_layers=1, vocab_size=4096, attn_backend="sdpa_loop")
@@ -101,23 +84,20 @@ def main() -> None:
         measure("debugmodel", debug, 2048, args.docs, args.repeats),
         measure("one layer of 0.6B's width (vocab 4096)", layer, 4096, args.docs, args.repeats),
     ]
-    shown = "python scripts/benchmark_rope_cache.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
-    lines = [
-        f"## RoPE cos/sin: recomputed per forward vs cached table on CPU ({datetime.date.today()})",
+    rows = [[r["name"], r["tokens"], f"{r['table']['recompute'] * 1e3:.2f} ms", f"{r['table']['cached'] * 1e3:.2f} ms",
+             f"{r['step']['recompute'] * 1e3:.0f} ms",
+             f"{r['step']['cached'] * 1e3:.0f} ms ({ratio(r['step']['cached'], r['step']['recompute'], digits=3)})",
+             "yes" if r["exact"] else "no"] for r in results]
+    body = [
+        (f"One process, float32, one packed micro-batch of {args.docs} equal documents; the tables alone (computed "
+         "from the positions, or gathered from a table of every position) and a forward + backward of the model, "
+         f"medians of {args.repeats} alternating rounds:"),
         "",
-        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
-        "shared with other jobs (medians of alternating rounds).",
-        "",
-        f"One process, float32, one packed micro-batch of {args.docs} equal documents; the tables alone (computed "
-        "from the positions, or gathered from a table of every position) and a forward + backward of the model:",
-        "",
-        "| model | tokens | tables: recompute | tables: cached | fwd+bwd: recompute | fwd+bwd: cached | equal bit for bit |",
-        "|---|---|---|---|---|---|---|",
-        *(f"| {r['name']} | {r['tokens']} | {r['table']['recompute'] * 1e3:.2f} ms | {r['table']['cached'] * 1e3:.2f} ms "
-          f"| {r['step']['recompute'] * 1e3:.0f} ms | {r['step']['cached'] * 1e3:.0f} ms "
-          f"({r['step']['cached'] / r['step']['recompute']:.3f}x) | {'yes' if r['exact'] else 'no'} |" for r in results),
+        *markdown_table(["model", "tokens", "tables: recompute", "tables: cached", "fwd+bwd: recompute",
+                         "fwd+bwd: cached", "equal bit for bit"], rows),
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "RoPE tables: recomputed vs cached", "Whether caching the rotary cos/sin tables would speed up a "
+            "step: the tables alone and a model's forward + backward, both ways.", body)
 
 
 if __name__ == "__main__":

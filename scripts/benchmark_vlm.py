@@ -2,7 +2,7 @@
 memory, its colour accuracy over several seeds, and what DP compute balancing does for the
 slowest rank on very uneven images.
 
-    .venv/bin/python scripts/benchmark_vlm.py            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/benchmark_vlm.py            # rewrites its page in docs/benchmarks/
     .venv/bin/python scripts/benchmark_vlm.py --no-write # print only
 
 1. ``train.py`` with ``train_configs/vlm_shapes.toml`` on ``--ranks`` gloo ranks for ``--steps``
@@ -19,30 +19,31 @@ slowest rank on very uneven images.
 """
 
 import argparse
-import datetime
+import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from bench_common import (
+    ROOT,
+    add_publish_args,
+    alternating_order,
+    launch_workers,
+    print_result,
+    publish,
+    ratio,
+    run_train,
+)
 
-from benchmark_docs import publish  # noqa: E402
+RECIPE = "train_configs/vlm_shapes.toml"
 
 
 def recipe_figures(ranks: int, steps: int) -> dict:
-    from torchtitan_rl.tensorboard_io import read_scalars
-
-    with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
-               "--job.config_file", "train_configs/vlm_shapes.toml", "--training.steps", str(steps),
-               "--metrics.log_freq", "1", "--job.dump_folder", dump]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        scalars = read_scalars(os.path.join(dump, "tb"))
+    scalars = run_train(["--job.config_file", RECIPE, "--training.steps", str(steps), "--metrics.log_freq", "1"],
+                        ranks=ranks).scalars
     later = range(6, steps + 1)
     step_s = [scalars["tokens/total"][s] / (scalars["throughput(tps)"][s] * ranks) for s in later]
     return {
@@ -55,21 +56,15 @@ def recipe_figures(ranks: int, steps: int) -> dict:
 
 def accuracy(seed: int, ranks: int) -> tuple[float, float, float]:
     """(first loss, last loss, colour accuracy) of the recipe trained with ``seed``."""
-    import json
-
-    from torchtitan_rl.tensorboard_io import read_scalars
-
     with tempfile.TemporaryDirectory() as dump:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py",
-               "--job.config_file", "train_configs/vlm_shapes.toml", "--debug.seed", str(seed), "--job.dump_folder", dump,
-               "--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
-               "--checkpoint.last_save_in_hf", "true"]
-        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        loss = read_scalars(os.path.join(dump, "tb"))["loss_metrics/global_avg_loss"]
+        run = run_train(["--job.config_file", RECIPE, "--debug.seed", str(seed), "--checkpoint.enable", "true",
+                         "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "true"],
+                        ranks=ranks, dump_folder=dump)
         (export,) = os.listdir(os.path.join(dump, "checkpoint"))
         out = subprocess.run([sys.executable, "scripts/eval_vlm_shapes.py", os.path.join(dump, "checkpoint", export),
                               "--questions", "60"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    return loss[min(loss)], loss[max(loss)], json.loads(out.splitlines()[-1])["colour_accuracy"]
+    first, last = run.first_last("loss_metrics/global_avg_loss")
+    return first, last, json.loads(out.splitlines()[-1])["colour_accuracy"]
 
 
 def balance_worker(repeats: int) -> None:
@@ -91,7 +86,10 @@ def balance_worker(repeats: int) -> None:
     args = vlm_flavors["debugmodel"]
     model = build_model(args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
     optimizer = build_optimizer(model, 1e-4, 0.9, 0.95, 1e-8, 0.0)
-    engine = Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0), parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024, max_norm=1.0, vision=vision_packing(args)))
+    options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024,
+                            max_norm=1.0, vision=vision_packing(args))
+    engine = Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0),
+                    parallel_dims=dims, device=device, options=options)
     gen = torch.Generator().manual_seed(0)
     side, merge = 16, args.spatial_merge_size  # 16 x 16 patches (224 px): 64 image tokens
     samples = []
@@ -104,36 +102,33 @@ def balance_worker(repeats: int) -> None:
         images = [SampleImage(torch.randn(side * side, args.vision.patch_dim, generator=gen), side, side)
                   for _ in range(num_images)]
         samples.append(Sample(input_ids=torch.randint(0, 250, (n,), generator=gen),
-                              labels=torch.randint(0, 250, (n,), generator=gen), loss_mask=torch.arange(n) >= 8 + num_images * per_image,
+                              labels=torch.randint(0, 250, (n,), generator=gen),
+                              loss_mask=torch.arange(n) >= 8 + num_images * per_image,
                               images=images or None, vision_rows=rows if images else None))
     costs = [sample_cost(len(s), s.num_patches) for s in samples]
     splits = {"off": contiguous_split(len(samples), world), "on": assign_to_ranks(costs, world)}
     times: dict[str, list[float]] = {"off": [], "on": []}
-    for round_ in range(repeats + 1):
-        for name, split in splits.items():
+    # Alternating like bench_common.time_alternating, with barriers so that every rank times the
+    # same step.
+    for round_, order in enumerate(alternating_order(list(splits), repeats + 1)):
+        for name in order:
             dist.barrier()
             start = time.perf_counter()
-            engine.forward_backward([samples[i] for i in split[rank]])
+            engine.forward_backward([samples[i] for i in splits[name][rank]])
             engine.optim_step()
             dist.barrier()
             if round_ > 0:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     if rank == 0:
-        for name, split in splits.items():
-            print(f"RESULT {name} {statistics.median(times[name]):.4f} {imbalance(costs, split):.3f}")
+        print_result({name: (statistics.median(times[name]), imbalance(costs, split))
+                      for name, split in splits.items()})
     dist.destroy_process_group()
 
 
 def balance_figures(repeats: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           "--balance-worker", "--repeats", str(repeats)]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
-    figures = {}
-    for line in out.splitlines():
-        if line.startswith("RESULT"):
-            _, name, seconds, cost_ratio = line.split()
-            figures[name] = (float(seconds), float(cost_ratio))
+    figures = launch_workers(__file__, 2, ["--repeats", str(repeats)])
+    if "error" in figures:
+        raise SystemExit(f"the balancing ranks failed: {figures['error']}")
     return figures
 
 
@@ -143,10 +138,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seeds", default="42,1,2,3", help="seeds of the accuracy runs (42 is the recipe's)")
-    parser.add_argument("--no-write", action="store_true")
-    parser.add_argument("--balance-worker", action="store_true", help=argparse.SUPPRESS)
+    add_publish_args(parser, "vlm")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.balance_worker:
+    if args.worker:
         balance_worker(args.repeats)
         return
     recipe = recipe_figures(args.ranks, args.steps)
@@ -154,24 +149,20 @@ def main() -> None:
     accuracies = {seed: accuracy(seed, args.ranks) for seed in seeds}
     balance = balance_figures(args.repeats)
     off, on = balance["off"], balance["on"]
-    cmd = "python scripts/benchmark_vlm.py" + ("" if sys.argv[1:] == [] else " " + " ".join(sys.argv[1:]))
-    lines = [
-        f"## VLM training on CPU ({datetime.date.today()})",
-        "",
-        f"Command: `{cmd}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_version()}.",
-        "",
-        f"- `vlm_shapes.toml` on {args.ranks} gloo ranks (debugmodel VLM, 16 samples/step, "
-        f"~{recipe['images']:.1f} images and {recipe['tokens']:.0f} tokens per step): median step "
-        f"{recipe['step_s'] * 1000:.0f} ms, peak RSS {recipe['rss_gib']:.2f} GiB per rank (steps 6-{args.steps}).",
-        f"- The recipe's full run on {args.ranks} ranks, colour accuracy on 60 fresh questions (chance 0.17), "
-        "by seed: " + ", ".join(f"{seed}: loss {first:.2f} → {last:.2f}, accuracy {acc:.2f}"
-                                for seed, (first, last, acc) in accuracies.items()) + ".",
-        f"- DP compute balancing, 2 FSDP ranks, two samples with 4 images of 16x16 patches each plus six "
-        f"text samples: slowest-rank step {off[0] * 1000:.0f} ms contiguous vs {on[0] * 1000:.0f} ms balanced "
-        f"({off[0] / on[0]:.2f}x); cost-model max/mean rank cost {off[1]:.2f} vs {on[1]:.2f} "
-        f"(median of {args.repeats} alternating rounds).",
+    body = [
+        (f"- `vlm_shapes.toml` on {args.ranks} gloo ranks (debugmodel VLM, 16 samples/step, "
+         f"~{recipe['images']:.1f} images and {recipe['tokens']:.0f} tokens per step): median step "
+         f"{recipe['step_s'] * 1000:.0f} ms, peak RSS {recipe['rss_gib']:.2f} GiB per rank (steps 6-{args.steps})."),
+        (f"- The recipe's full run on {args.ranks} ranks, colour accuracy on 60 fresh questions (chance 0.17), "
+         "by seed: " + ", ".join(f"{seed}: loss {first:.2f} → {last:.2f}, accuracy {acc:.2f}"
+                                 for seed, (first, last, acc) in accuracies.items()) + "."),
+        (f"- DP compute balancing, 2 FSDP ranks, two samples with 4 images of 16x16 patches each plus six "
+         f"text samples: slowest-rank step {off[0] * 1000:.0f} ms contiguous vs {on[0] * 1000:.0f} ms balanced "
+         f"({ratio(off[0], on[0])}); cost-model max/mean rank cost {off[1]:.2f} vs {on[1]:.2f} "
+         f"(median of {args.repeats} alternating rounds)."),
     ]
-    publish(lines, write=not args.no_write)
+    publish(args, "Vision-language training", "Step time and memory of the `vlm_shapes.toml` recipe, its colour "
+            "accuracy over several seeds, and what DP compute balancing saves on uneven images.", body)
 
 
 if __name__ == "__main__":

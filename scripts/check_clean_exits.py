@@ -1,6 +1,6 @@
 """Clean exits, checked: consecutive short 2-rank ``train.py`` runs must all exit 0.
 
-    .venv/bin/python scripts/check_clean_exits.py --runs 30            # appends to docs/benchmarks.md
+    .venv/bin/python scripts/check_clean_exits.py --runs 30            # rewrites docs/benchmarks/clean_exits.md
     .venv/bin/python scripts/check_clean_exits.py --runs 30 --stress
     .venv/bin/python scripts/check_clean_exits.py --runs 4 --no-write  # print only
 
@@ -22,30 +22,27 @@ shutdown then aborts with "terminate called without an active exception" (see
 """
 
 import argparse
-import datetime
 import os
-import platform
-import shlex
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Also found when a test loads this file by its path.
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from benchmark_docs import publish  # noqa: E402
+from bench_common import ROOT, add_publish_args, launch_env, launcher, markdown_table, publish  # noqa: E402
 
 # Output lines that mean a rank aborted or did not tear down cleanly (torchrun's SIGTERM to the
 # surviving rank of a failed run is not one: that run counts among the other failures).
-ABORT_MARKERS = ("terminate called", "SIGABRT", "SIGSEGV", "Fatal Python error", "malloc(", "outlive destroy_process_group")
+ABORT_MARKERS = ("terminate called", "SIGABRT", "SIGSEGV", "Fatal Python error", "malloc(",
+                 "outlive destroy_process_group")
 _RANK_ENTRY = "--rank-entry"
 
 
 def train_args(dump_folder: str, steps: int, async_mode: str) -> list[str]:
     return [
-        "--job.config_file", os.path.join(REPO, "train_configs", "debug_model.toml"),
+        "--job.config_file", os.path.join(ROOT, "train_configs", "debug_model.toml"),
         "--job.dump_folder", dump_folder,
         "--training.steps", str(steps),
         "--training.global_batch_size", "8",
@@ -61,10 +58,9 @@ def train_args(dump_folder: str, steps: int, async_mode: str) -> list[str]:
 def launch(repo: str, args: list[str], stress: bool, timeout_s: float) -> subprocess.CompletedProcess:
     """One 2-rank torchrun of ``repo``'s train.py (through this file's rank entry under stress)."""
     entry = [os.path.abspath(__file__), _RANK_ENTRY, repo] if stress else [os.path.join(repo, "train.py")]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *entry, *args]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s)
+    cmd = [*launcher(2), *entry, *args]
+    return subprocess.run(cmd, check=False, cwd=repo, env=launch_env(), capture_output=True, text=True,
+                          timeout=timeout_s)
 
 
 def abort_lines(output: str) -> list[str]:
@@ -74,7 +70,7 @@ def abort_lines(output: str) -> list[str]:
 def rank_entry(repo: str, argv: list[str]) -> int:
     """A stressed rank: pinned to one core, gloo workers at SCHED_IDLE, then ``train.main``."""
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", 0)) % len(cpus)]})
+    os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", "0")) % len(cpus)]})
     threading.Thread(target=_demote_gloo_workers, daemon=True).start()
     sys.path.insert(0, repo)
     import train
@@ -104,10 +100,10 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--steps", type=int, default=3, help="training steps per run (checkpoints at 2 and the last)")
     parser.add_argument("--stress", action="store_true", help="pinned ranks, gloo workers at SCHED_IDLE (see above)")
-    parser.add_argument("--repo", default=REPO, help="checkout whose train.py runs (default: this one)")
+    parser.add_argument("--repo", default=ROOT, help="checkout whose train.py runs (default: this one)")
     parser.add_argument("--label", default="this checkout", help="how the published section names --repo")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument("--no-write", action="store_true", help="print only; do not append to docs/benchmarks.md")
+    add_publish_args(parser, "clean_exits")
     args = parser.parse_args()
 
     results = []  # (async_mode, returncode, seconds, abort lines)
@@ -126,27 +122,24 @@ def main() -> int:
             if proc.returncode != 0 and not found:
                 print("          " + "\n          ".join((proc.stdout + proc.stderr).splitlines()[-25:]), flush=True)
 
-    shown = "python scripts/check_clean_exits.py " + shlex.join(sys.argv[1:])
-    lines = [
-        f"## Clean exits, {datetime.date.today()}",
-        "",
-        f"Command: `{shown}` — machine: {platform.machine()}, {os.cpu_count()} CPU cores, Python "
-        f"{platform.python_version()}; train.py of {args.label}; {args.runs} consecutive 2-rank runs of "
-        f"{args.steps} steps with checkpoints at step 2 and the last step"
-        + (", stressed (ranks pinned to one core each, gloo workers at SCHED_IDLE)" if args.stress else "") + ".",
-        "",
-        "| checkpoint.async_mode | runs | exit 0 | aborted (terminate / signal) | other failures | mean run time |",
-        "|---|---|---|---|---|---|",
-    ]
+    rows = []
     for mode in ("async", "disabled"):
-        rows = [r for r in results if r[0] == mode]
-        if not rows:
-            continue
-        aborted = sum(1 for r in rows if r[3])
-        other = sum(1 for r in rows if r[1] != 0 and not r[3])
-        mean = sum(r[2] for r in rows) / len(rows)
-        lines.append(f"| {mode} | {len(rows)} | {sum(r[1] == 0 for r in rows)} | {aborted} | {other} | {mean:.1f} s |")
-    publish(lines, write=not args.no_write)
+        runs = [r for r in results if r[0] == mode]
+        if runs:
+            aborted = sum(1 for r in runs if r[3])
+            other = sum(1 for r in runs if r[1] != 0 and not r[3])
+            rows.append([mode, len(runs), sum(r[1] == 0 for r in runs), aborted, other,
+                         f"{sum(r[2] for r in runs) / len(runs):.1f} s"])
+    body = [
+        (f"train.py of {args.label}; {args.runs} consecutive 2-rank runs of {args.steps} steps with checkpoints at "
+         "step 2 and the last step"
+         + (", stressed (ranks pinned to one core each, gloo workers at SCHED_IDLE)" if args.stress else "") + "."),
+        "",
+        *markdown_table(["checkpoint.async_mode", "runs", "exit 0", "aborted (terminate / signal)", "other failures",
+                         "mean run time"], rows),
+    ]
+    publish(args, "Clean exits", "Consecutive short 2-rank `train.py` runs with checkpoints, with and without async "
+            "saves (optionally stressed): how many exit 0.", body)
     return 0 if all(r[1] == 0 and not r[3] for r in results) else 1
 
 

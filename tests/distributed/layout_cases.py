@@ -112,7 +112,9 @@ def layouts(world_size: int) -> list[tuple[int, int, int, int]]:
     }[world_size]
 
 
-# CP attention check: documents of these lengths packed together, several heads (GQA 2:1).
+# CP attention check: documents of these lengths packed together, several heads (GQA 2:1),
+# with every CPU backend.
+CP_ATTENTION_BACKENDS = ("sdpa_dense", "sdpa_varlen", "sdpa_loop")
 CP_ATTENTION_LENS, CP_ATTENTION_HEADS, CP_ATTENTION_KV_HEADS, CP_ATTENTION_HEAD_DIM = (7, 1, 12, 4), 4, 2, 8
 
 

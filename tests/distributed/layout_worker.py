@@ -6,19 +6,22 @@ Rank 0 writes {case name: results} to OUT.pt; the pytest driver compares it to r
 
 import sys
 
+import layout_cases as lc
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-
-import layout_cases as lc
 from generator_cases import run_generator_checks
-from rl_cases import run_rollout_exchange_checks
 from moe_cases import run_moe_checks
+from rl_cases import run_rollout_exchange_checks
+from torch.distributed.tensor import DTensor
 from vlm_cases import run_vlm_checks
+
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
-from torchtitan_rl.distributed.context_parallel import ZigzagLayout, gather_from_cp_ranks
+from torchtitan_rl.distributed.context_parallel import (
+    ZigzagLayout,
+    gather_from_cp_ranks,
+)
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import init_distributed, shutdown_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -106,12 +109,12 @@ def run_logprobs(tp_mesh, results: dict) -> None:
     """Vocab-parallel log-probs and entropies of lc.logprob_inputs(), with their gradients."""
     hidden_full, weight_full, labels = lc.logprob_inputs()
     tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    # Any per-token scalar of both outputs; the reference differentiates the same one.
+    token_scale = torch.arange(1.0, lc.LOGPROB_TOKENS + 1)
     for loss_parallel in (True, False):
         for chunk in lc.LOGPROB_CHUNKS:
             hidden = hidden_full.chunk(tp)[rank].clone().requires_grad_()  # sequence-parallel shard
             weight = weight_full.chunk(tp)[rank].clone().requires_grad_()  # vocabulary shard
-            # Any per-token scalar of both outputs; the reference differentiates the same one.
-            token_scale = torch.arange(1.0, lc.LOGPROB_TOKENS + 1)
             loss, logprobs, entropy = token_loss(
                 hidden, weight, labels, chunk,
                 lambda start, end, lp, ent: (lp * token_scale[start:end]).sum().add(ent.sum()),
@@ -129,7 +132,7 @@ def run_cp_attention(cp_mesh, results: dict) -> None:
     """Packed attention with this rank's zigzag share of the queries and K/V gathered over cp."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     layout = ZigzagLayout.build(list(lc.CP_ATTENTION_LENS), cp)
-    for backend in ("sdpa_dense", "sdpa_loop"):
+    for backend in lc.CP_ATTENTION_BACKENDS:
         inputs = [layout.split(t, rank).requires_grad_() for t in lc.cp_attention_inputs()[:3]]
         out_weights = layout.split(lc.cp_attention_inputs()[3], rank)
         context = cp_attention_context(cp_mesh, backend, layout.seq_ids(rank), layout.positions(rank))

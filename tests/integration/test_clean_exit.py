@@ -8,7 +8,7 @@ active exception", SIGABRT, as it did before ``shutdown_distributed``). The run 
 with no abort in its output, and with no gloo thread left after the teardown (checked by the
 trainer itself on every clean exit, so a process group that something still references
 fails this test whether or not the race strikes). ``--runs 30`` of the script is the long
-version (docs/benchmarks.md).
+version (docs/benchmarks/clean_exits.md).
 """
 
 import importlib.util

@@ -1,28 +1,33 @@
-"""``scripts/plot_runs.py`` on two real (tiny) training runs.
+"""``scripts/plot_runs.py`` on two real (tiny) training runs, in both formats.
 
 Two single-process runs of the debug recipe that differ only in the learning rate are
-trained once for the module. In-process, the figure ``plot_runs`` returns must have one
-panel per tag and one line per run whose points are exactly the scalars ``read_scalars``
-reads back on its own; as a user runs it, the CLI must write a PNG of the expected size
-with both runs' colours in it, and stop with exit code 2 and a named error on a tag a run
-did not log.
+trained once for the module; every check compares what is drawn with the scalars
+``read_scalars`` reads back on its own.
+
+- PNG (matplotlib): the figure has one panel per tag and one line per run whose points are
+  the logged values; in the written image, the run's colour lies at the pixel of every logged
+  point, and the CLI writes an image of the expected size with both runs' colours in it.
+- SVG (written by hand): parsed back, each panel's polylines map the logged (step, value)
+  pairs through one affine map per axis (larger values higher), consistent with the axis'
+  tick labels; it is written with matplotlib made unimportable, where PNG is a named error.
+- Errors: a tag a run did not log, bad folders, a format the output name contradicts.
 """
 
 import concurrent.futures
 import importlib.util
+import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
+from torch.utils.tensorboard import SummaryWriter
 
-pytest.importorskip("matplotlib", reason="plot_runs needs matplotlib: pip install -e .[test]")
-from PIL import Image  # noqa: E402
-from torch.utils.tensorboard import SummaryWriter  # noqa: E402
-
-from reference import launch_env  # noqa: E402
-from torchtitan_rl.tensorboard_io import read_scalars  # noqa: E402
+from reference import launch_env
+from torchtitan_rl.tensorboard_io import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
 TOOL = REPO / "scripts" / "plot_runs.py"
@@ -163,3 +168,149 @@ def test_bad_folders_are_named_errors(dumps, tmp_path):
         plot_runs_tool.load_runs([str(dumps["run_a"].parent)])
     with pytest.raises(ValueError, match="--labels needs one label per run"):
         plot_runs_tool.load_runs([str(dumps["run_a"]), str(dumps["run_b"])], labels=["only one"])
+
+
+def test_png_pixels_lie_on_the_logged_values(dumps, tmp_path):
+    # One run alone, so no other line can cover its pixels.
+    runs = plot_runs_tool.load_runs([str(dumps["run_a"])])
+    logged = read_scalars(str(dumps["run_a"] / "tb"))[LOSS]
+    out = tmp_path / "one.png"
+    fig = plot_runs_tool.plot_runs(runs, [LOSS], str(out))
+    (ax,) = fig.axes
+    with Image.open(out) as image:
+        assert image.size == (round(plot_runs_tool.PANEL_SIZE[0] * 100), round(plot_runs_tool.PANEL_SIZE[1] * 100))
+        pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    near_c0 = np.abs(pixels - np.array(RUN_COLORS[0])).max(axis=-1) <= 40
+    height = pixels.shape[0]
+    for step, value in logged.items():
+        # Where the axes put (step, value) in the saved image (display y grows upwards).
+        x, y = ax.transData.transform((step, value))
+        col, row = int(round(x)), int(round(height - y))
+        assert near_c0[row - 2 : row + 3, col - 2 : col + 3].any(), f"no line at step {step} ({col}, {row})"
+    # The line is a line, not a filled area.
+    assert near_c0.mean() < 0.05
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _svg_panels(path: Path) -> dict[str, dict]:
+    """{tag: {"curves": {run: [(x, y) pixels]}, "area": (x, y, w, h), "y_ticks": [(label, y)],
+    "x_ticks": [(label, x)]}} of an SVG written by plot_runs."""
+    panels = {}
+    for group in ET.parse(path).getroot().iter(f"{SVG}g"):
+        if group.get("class") != "panel":
+            continue
+        curves = {line.get("data-run"): [tuple(map(float, point.split(","))) for point in line.get("points").split()]
+                  for line in group.iter(f"{SVG}polyline")}
+        (area,) = [r for r in group.iter(f"{SVG}rect") if r.get("class") == "plot-area"]
+        ticks = {kind: [(float(t.text), float(t.get("y" if kind == "y-tick" else "x"))) for t in group.iter(f"{SVG}text")
+                        if t.get("class") == kind] for kind in ("y-tick", "x-tick")}
+        panels[group.get("data-tag")] = {
+            "curves": curves, "area": tuple(float(area.get(k)) for k in ("x", "y", "width", "height")),
+            "y_ticks": ticks["y-tick"], "x_ticks": ticks["x-tick"],
+        }
+    return panels
+
+
+def _affine(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """(slope, offset) of pixel = slope * value + offset, from the two most distant values."""
+    (v0, p0), (v1, p1) = min(pairs), max(pairs)
+    assert v1 > v0, "the check needs two different values"
+    slope = (p1 - p0) / (v1 - v0)
+    return slope, p0 - slope * v0
+
+
+def _check_svg_panel(panel: dict, expected: dict[str, list[tuple[float, float]]]) -> None:
+    """The polylines of ``panel`` are ``expected`` {run: [(x value, y value)]} through one affine
+    map per axis; the tick labels sit where that map puts them."""
+    assert list(panel["curves"]) == list(expected)
+    xs = [(x, px) for run in expected for (x, _), (px, _) in zip(expected[run], panel["curves"][run], strict=True)]
+    ys = [(y, py) for run in expected for (_, y), (_, py) in zip(expected[run], panel["curves"][run], strict=True)]
+    x_slope, x_offset = _affine(xs)
+    y_slope, y_offset = _affine(ys)
+    assert x_slope > 0 and y_slope < 0  # later steps to the right, larger values higher
+    # Coordinates are written with 2 decimals; values were float32 in TensorBoard.
+    for value, pixel in xs:
+        assert pixel == pytest.approx(x_slope * value + x_offset, abs=0.02)
+    for value, pixel in ys:
+        assert pixel == pytest.approx(y_slope * value + y_offset, abs=0.02)
+    left, top, width, height = panel["area"]
+    assert all(left - 0.01 <= px <= left + width + 0.01 for _, px in xs)
+    assert all(top - 0.01 <= py <= top + height + 0.01 for _, py in ys)
+    # Tick labels (4 significant digits; a y label's baseline is 4 px below its grid line).
+    for label, y in panel["y_ticks"]:
+        assert y - 4 == pytest.approx(y_slope * label + y_offset, abs=abs(y_slope * label) * 1e-3 + 0.02)
+    for label, x in panel["x_ticks"]:
+        assert x == pytest.approx(x_slope * label + x_offset, abs=abs(x_slope * label) * 1e-3 + 0.02)
+    assert min(label for label, _ in panel["y_ticks"]) == pytest.approx(min(v for v, _ in ys), rel=1e-3)
+    assert max(label for label, _ in panel["y_ticks"]) == pytest.approx(max(v for v, _ in ys), rel=1e-3)
+
+
+def _without_matplotlib(tmp_path: Path) -> dict:
+    """launch_env with a ``matplotlib`` package first on the path that fails to import."""
+    fake = tmp_path / "no_matplotlib" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('matplotlib is made unimportable by the test')\n")
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def test_svg_polylines_are_the_logged_values_without_matplotlib(dumps, tmp_path):
+    env = _without_matplotlib(tmp_path)
+    out = tmp_path / "svg" / "runs.svg"
+    cmd = [sys.executable, str(TOOL), str(dumps["run_a"]), str(dumps["run_b"]), "--tags", *TAGS, "--format", "svg",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"wrote {out}: 2 panel(s) x 2 run(s)" in proc.stdout
+    logged = {name: read_scalars(str(dumps[name] / "tb")) for name in dumps}
+    panels = _svg_panels(out)
+    assert list(panels) == TAGS
+    for tag in TAGS:
+        _check_svg_panel(panels[tag], {name: sorted((float(s), v) for s, v in logged[name][tag].items())
+                                       for name in ("run_a", "run_b")})
+    # The same environment cannot write a PNG, and says why.
+    png = tmp_path / "never.png"
+    proc = subprocess.run(cmd[:-4] + ["--out", str(png)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "plotting needs matplotlib" in proc.stderr, proc.stdout + proc.stderr
+    assert not png.exists()
+
+
+def test_x_tag_plots_against_the_running_sum(tmp_path):
+    # A stand-in RL run whose steps take different times; the reward is logged on steps 1, 2, 4.
+    writer = SummaryWriter(str(tmp_path / "rl_run" / "tb"))
+    for step, seconds in enumerate([0.5, 1.5, 1.0, 2.0], start=1):
+        writer.add_scalar("time/step_s", seconds, step)
+    for step, reward in [(1, 0.1), (2, 0.4), (4, 0.3)]:
+        writer.add_scalar(REWARD, reward, step)
+    writer.close()
+    expected = [(0.5, 0.1), (2.0, 0.4), (5.0, 0.3)]  # seconds after steps 1, 2, 4
+    runs = plot_runs_tool.load_runs([str(tmp_path / "rl_run")])
+    flat = [c for point in expected for c in point]
+    got = plot_runs_tool.curve(runs["rl_run"], REWARD, "time/step_s")
+    assert [c for point in got for c in point] == pytest.approx(flat)  # float32 rewards
+
+    out = tmp_path / "reward.svg"
+    proc = tool(str(tmp_path / "rl_run"), "--tags", REWARD, "--x-tag", "time/step_s", "--title", "reward vs time",
+                "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    _check_svg_panel(_svg_panels(out)[REWARD], {"rl_run": expected})
+    text = out.read_text()
+    assert ">reward vs time</text>" in text and ">cumulative time/step_s</text>" in text
+
+    fig = plot_runs_tool.plot_runs(runs, [REWARD], x_tag="time/step_s")
+    (line,) = fig.axes[0].get_lines()
+    assert [c for point in zip(line.get_xdata(), line.get_ydata()) for c in point] == pytest.approx(flat)
+    with pytest.raises(ValueError, match="run 'rl_run' has no scalar 'grad_norm' \\(--x-tag\\)"):
+        plot_runs_tool.svg_figure(runs, [REWARD], x_tag="grad_norm")
+
+
+def test_format_and_output_name_must_agree(dumps, tmp_path):
+    proc = tool(str(dumps["run_a"]), "--format", "svg", "--out", str(tmp_path / "x.png"))
+    assert proc.returncode == 2 and "does not end in .svg (--format svg)" in proc.stderr
+    proc = tool(str(dumps["run_a"]), "--out", str(tmp_path / "x.pdf"))
+    assert proc.returncode == 2 and "cannot tell the format" in proc.stderr
+    assert not (tmp_path / "x.png").exists() and not (tmp_path / "x.pdf").exists()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from torchtitan_rl.data.sample import Sample
-from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_rl.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+)
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs

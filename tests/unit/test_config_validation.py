@@ -1,10 +1,15 @@
 """The project's rules on a JobConfig (torchtitan_rl/config/validation.py), through the parser."""
 
+import json
 import os
 
 import pytest
 
 from test_config import assert_error, parse
+from torchtitan_rl.config.validation import check_model_settings
+from torchtitan_rl.hf_checkpoint import read_hf_model_args
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.models.vlm.args import vlm_flavors
 
 # --- cross-key checks ----------------------------------------------------------------------
 
@@ -90,6 +95,32 @@ def test_moe_settings():
 def test_moe_settings_fail_closed(argv, fragments):
     assert_error(argv, *fragments)
 
+
+
+def hf_flavor_settings_error(tmp_path, config: dict, *argv) -> str:
+    """The error of check_model_settings once model.flavor = "hf" reads ``config`` as its config.json."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = parse("--model.flavor", "hf", "--model.hf_assets_path", str(tmp_path), *argv)  # the architecture is unknown
+    with pytest.raises(ValueError) as error:
+        check_model_settings(cfg, read_hf_model_args(str(tmp_path)))
+    return str(error.value)
+
+
+def test_model_settings_of_the_hf_flavor_name_its_config_json(tmp_path):
+    dense = qwen3_flavors["debugmodel"].to_hf_config("float32")
+    assert hf_flavor_settings_error(tmp_path, dense, "--moe.aux_loss_coef", "0.01") == (
+        f"moe.aux_loss_coef: {tmp_path / 'config.json'} describes a dense model (num_experts is 0 or absent); "
+        "choose a MoE flavor such as 'debugmodel_moe' or remove the key"
+    )
+    vlm = {**vlm_flavors["debugmodel"].to_hf_config("float32"), "spatial_merge_size": 4}
+    message = hf_flavor_settings_error(
+        tmp_path, vlm, "--model.name", "vlm", "--training.max_image_tokens", "16",
+        "--training.max_patches_per_microbatch", "100",
+    )
+    assert message == (
+        "training.max_patches_per_microbatch: must be 0 or >= 256 so any image fits (training.max_image_tokens=16 "
+        f"feature tokens of 4x4 patches, spatial_merge_size of {tmp_path / 'config.json'}), got 100"
+    )
 
 
 # --- checkpoint keys ---------------------------------------------------------------------

@@ -5,9 +5,15 @@ import random
 import pytest
 import torch
 
-from torchtitan_rl.data.packing import OPTIONAL_INPUTS, TOKEN_FIELDS, VisionPacking, pack, padding_microbatch
-from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample, SampleImage
 from torchtitan_rl.data.cp_split import microbatch_layout, shard_microbatch
+from torchtitan_rl.data.packing import (
+    OPTIONAL_INPUTS,
+    TOKEN_FIELDS,
+    VisionPacking,
+    pack,
+    padding_microbatch,
+)
+from torchtitan_rl.data.sample import RL_TOKEN_INPUTS, Sample, SampleImage
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 
 

@@ -27,6 +27,7 @@ from torchtitan_rl.hf_checkpoint import (
 )
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, find_flavor, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.models.qwen3.parallelize import check_tp_divisibility
 from torchtitan_rl.models.qwen3.state_dict_adapter import to_hf
 # Package paths (tests/ is on sys.path), so tests/distributed can import this module too.
 from unit.test_qwen3_model import LENGTHS, hf_and_ours, hf_config, hf_logits, pack, random_tokens, small_args
@@ -159,8 +160,44 @@ def test_flavor_check_names_the_differences():
     assert message.startswith("checkpoint from another model flavor: ckpt/config.json says vocab_size=151936")
     assert "n_layers=28" in message and "model.flavor='debugmodel' has vocab_size=512" in message
     assert "n_layers=2," in message and "matches model.flavor='0.6B'" in message
-    with pytest.raises(ValueError, match="no named flavor matches"):
-        check_flavor(dataclasses.replace(published, n_layers=3), "0.6B", "config.json")
+    with pytest.raises(ValueError) as error:
+        check_flavor(dataclasses.replace(published, n_layers=3), "0.6B", "ckpt/config.json")
+    # The way out: take the architecture from that file.
+    assert str(error.value).endswith(
+        '(no named flavor matches it; model.flavor = "hf" takes the architecture from ckpt/config.json itself)'
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_attention_heads": 6, "num_key_value_heads": 4},
+         "num_attention_heads=6 must be a multiple of num_key_value_heads=4"),
+        ({"head_dim": 15}, "head_dim=15 must be even for rotary embeddings"),
+    ],
+)
+def test_architecture_errors_of_a_config_name_the_file_and_field(tmp_path, change, message):
+    config = {**small_args(tie_embeddings=False).to_hf_config("float32"), **change}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        read_hf_model_args(str(tmp_path))
+    assert str(error.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_tensor_parallel_error_of_a_config_names_the_file_and_field(tmp_path):
+    config = {**small_args(tie_embeddings=False).to_hf_config("float32"), "num_attention_heads": 6}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    # The recipe replaces runtime fields of the args it read; they still know their file.
+    args = dataclasses.replace(read_hf_model_args(str(tmp_path)), attn_backend="sdpa_loop")
+    check_tp_divisibility(args, 2)
+    with pytest.raises(ValueError) as error:
+        check_tp_divisibility(args, 4)
+    assert str(error.value) == (
+        f"{tmp_path / 'config.json'}: num_attention_heads=6 is not divisible by parallelism.tensor_parallel_degree=4"
+    )
+    # A named flavor has no file: its errors name its fields.
+    with pytest.raises(ValueError, match="^n_kv_heads=2 is not divisible by parallelism.tensor_parallel_degree=4$"):
+        check_tp_divisibility(small_args(tie_embeddings=False), 4)
 
 
 # ---------------------------------------------------------------- loading

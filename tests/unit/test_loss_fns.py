@@ -12,7 +12,7 @@ import zlib
 import pytest
 import torch
 
-from torchtitan_rl.config.job_config import Loss
+from torchtitan_rl.config.job_config import JobConfig, Loss
 from torchtitan_rl.data.packing import pack
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.losses.loss_fns import (
@@ -28,7 +28,6 @@ from torchtitan_rl.losses.loss_fns import (
 )
 from torchtitan_rl.losses.reduction import local_counts, token_weights
 from torchtitan_rl.recipes.sft import sft_loss_fn
-from torchtitan_rl.config.job_config import JobConfig
 
 
 def brute_policy(name: str, x: float, q: float, a: float, options: dict) -> tuple[float, float]:
@@ -205,7 +204,7 @@ def test_loss_metrics_are_sums_over_loss_tokens_only():
     got = {k: float(v) for k, v in metrics.reduce(None).items()}
     keep = [t for t in range(30) if mask[t]]
     ratio = [math.exp(x[t] - q[t]) for t in keep]
-    mean = lambda v: sum(v) / len(v)  # noqa: E731
+    mean = lambda v: sum(v) / len(v)
     lo, hi = 0.8, 1.2
     expected = {
         "rl/pg_loss": mean([brute_policy("ppo", x[t], q[t], adv[t], loss.options)[0] for t in keep]),

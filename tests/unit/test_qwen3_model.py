@@ -4,11 +4,15 @@ import math
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
-from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
+from torchtitan_rl.distributed.activation_checkpoint import (
+    apply_activation_checkpointing,
+)
 from torchtitan_rl.distributed.compile import apply_compile
-from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import (
     Qwen3Model,
@@ -17,6 +21,7 @@ from torchtitan_rl.models.qwen3.model import (
     rotary_cos_sin,
 )
 from torchtitan_rl.models.qwen3.state_dict_adapter import from_hf, to_hf
+from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 
 LENGTHS = [6, 1, 9, 4]
 

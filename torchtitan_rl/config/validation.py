@@ -124,7 +124,8 @@ def _check_no_vision_keys(cfg) -> None:
 def _check_vision_model(cfg, merge_size: int, source: str) -> None:
     if cfg.job.recipe != "sft":
         raise ValueError(
-            f"model.name: {cfg.model.name!r} trains with job.recipe = 'sft' only (GRPO generates text from text prompts)"
+            f"model.name: {cfg.model.name!r} trains with job.recipe = 'sft' only "
+            "(GRPO generates text from text prompts)"
         )
     tokens = [cfg.model.image_token, cfg.model.image_break_token, cfg.model.image_end_token]
     if len(set(tokens)) != 3 or not all(tokens):
@@ -135,11 +136,11 @@ def _check_vision_model(cfg, merge_size: int, source: str) -> None:
     t = cfg.training
     largest_image = t.max_image_tokens * merge_size * merge_size
     if 0 < t.max_patches_per_microbatch < largest_image:
-        merge = f"spatial_merge_size={merge_size} of {source}" if source else f"{merge_size}x{merge_size}"
+        origin = f", spatial_merge_size of {source}" if source else ""
         raise ValueError(
-            f"training.max_patches_per_microbatch: must be 0 or >= {largest_image} (training.max_image_tokens="
-            f"{t.max_image_tokens} feature tokens of {merge} patches) so any image fits, got "
-            f"{t.max_patches_per_microbatch}"
+            f"training.max_patches_per_microbatch: must be 0 or >= {largest_image} so any image fits "
+            f"(training.max_image_tokens={t.max_image_tokens} feature tokens of {merge_size}x{merge_size} "
+            f"patches{origin}), got {t.max_patches_per_microbatch}"
         )
 
 
@@ -233,7 +234,9 @@ def _check_checkpoint(cfg) -> None:
             "set checkpoint.last_save_model_only = true as well"
         )
     if ckpt.initial_load_in_hf and not ckpt.initial_load_path:
-        raise ValueError("checkpoint.initial_load_in_hf: set checkpoint.initial_load_path to the Hugging Face directory")
+        raise ValueError(
+            "checkpoint.initial_load_in_hf: set checkpoint.initial_load_path to the Hugging Face directory"
+        )
     if ckpt.initial_load_in_hf and not ckpt.initial_load_model_only:
         raise ValueError(
             "checkpoint.initial_load_model_only: must be true with checkpoint.initial_load_in_hf "

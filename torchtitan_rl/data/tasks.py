@@ -9,7 +9,11 @@ the RL problems of ``torchtitan_rl.rl.tasks``, so both recipes train on the same
 import random
 from collections.abc import Callable, Sequence
 
-from torchtitan_rl.data.questions import QuestionGenerator, arithmetic_question, reverse_question
+from torchtitan_rl.data.questions import (
+    QuestionGenerator,
+    arithmetic_question,
+    reverse_question,
+)
 
 
 def _chat_rows(generate: QuestionGenerator, num_samples: int, seed: int) -> list[dict]:

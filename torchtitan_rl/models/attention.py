@@ -38,7 +38,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 
 from torchtitan_rl.compat import all_gather, all_gather_autograd
 from torchtitan_rl.models.varlen_plan import VarlenPlan, plan_varlen

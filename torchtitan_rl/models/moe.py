@@ -123,7 +123,7 @@ class GroupedExperts(nn.Module):
 
     def resolve_impl(self, dtype: torch.dtype) -> str:
         """The kernel a forward in ``dtype`` uses; ValueError if ``grouped_mm`` was asked for but cannot run."""
-        num_experts, hidden_dim, dim = self.w1.shape
+        _, hidden_dim, dim = self.w1.shape
         supported = grouped_mm_supported(dtype, dim, hidden_dim)
         if self.impl == "auto":
             return "grouped_mm" if supported else "loop"

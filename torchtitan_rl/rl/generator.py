@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.models.attention import AttentionContext, AttentionState, LayerAttention, build_attention_context
+from torchtitan_rl.models.attention import (
+    AttentionContext,
+    AttentionState,
+    LayerAttention,
+    build_attention_context,
+)
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 

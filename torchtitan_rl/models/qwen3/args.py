@@ -39,6 +39,10 @@ class FieldNames:
     def error(self, message: str) -> ValueError:
         return ValueError(f"{self.source}: {message}" if self.source else message)
 
+    def value(self, name: str, value: Any) -> str:
+        """``name=value`` for a message that names the file elsewhere or not at all."""
+        return f"{self(name)}={value!r} of {self.source}" if self.source else f"{name}={value!r}"
+
 
 # config.json key of each Qwen3 args field.
 QWEN3_HF_KEYS = {
@@ -49,6 +53,10 @@ QWEN3_HF_KEYS = {
     "n_kv_heads": "num_key_value_heads",
     "head_dim": "head_dim",
     "hidden_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "rope_theta": "rope_theta",
+    "tie_embeddings": "tie_word_embeddings",
+    "max_seq_len": "max_position_embeddings",
     "num_experts": "num_experts",
     "num_experts_per_tok": "num_experts_per_tok",
     "moe_hidden_dim": "moe_intermediate_size",
@@ -147,7 +155,8 @@ class Qwen3ModelArgs:
         if self.num_experts == 0:
             defaults = {"num_experts_per_tok": 0, "moe_hidden_dim": 0, "norm_topk_prob": True,
                         "decoder_sparse_step": 1, "mlp_only_layers": (),
-                        "router_aux_loss_coef": HF_ROUTER_AUX_LOSS_COEF, "output_router_logits": HF_OUTPUT_ROUTER_LOGITS}
+                        "router_aux_loss_coef": HF_ROUTER_AUX_LOSS_COEF,
+                        "output_router_logits": HF_OUTPUT_ROUTER_LOGITS}
             changed = [f"{name(key)}={getattr(self, key)!r}" for key, default in defaults.items()
                        if getattr(self, key) != default]
             if changed:

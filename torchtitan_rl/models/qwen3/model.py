@@ -16,7 +16,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.distributed.utils import all_reduce
-from torchtitan_rl.models.attention import AttentionState, LayerAttention, build_attention_context
+from torchtitan_rl.models.attention import (
+    AttentionState,
+    LayerAttention,
+    build_attention_context,
+)
 from torchtitan_rl.models.moe import MoE, RouterStats
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 

@@ -125,11 +125,14 @@ def from_hf(
             raise ValueError(f"unexpected key {key!r} in HF Qwen3 state dict")
         layer = int(match.group(1))
         if layer >= args.n_layers:
-            raise ValueError(f"HF key {key!r} is for layer {layer}, but n_layers={args.n_layers}")
+            raise ValueError(
+                f"HF key {key!r} is for layer {layer}, but {args.field_names.value('n_layers', args.n_layers)}"
+            )
         if expert is not None:
             ours, index = expert
             if index >= args.num_experts:
-                raise ValueError(f"HF key {key!r} is for expert {index}, but num_experts={args.num_experts}")
+                experts = args.field_names.value("num_experts", args.num_experts)
+                raise ValueError(f"HF key {key!r} is for expert {index}, but {experts}")
             per_expert.setdefault(ours, {})[index] = tensor
             _check_layer_kind(key, layer, ours, args)
         elif fused is not None:
@@ -155,7 +158,7 @@ def from_hf(
             state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
     elif "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:
         raise ValueError(
-            "HF state dict has no lm_head.weight but args.tie_embeddings is False; "
+            f"HF state dict has no lm_head.weight but {args.field_names.value('tie_embeddings', False)}; "
             "is this a tied checkpoint?"
         )
     return state_dict
@@ -178,4 +181,9 @@ def _check_layer_kind(hf_key: str, layer: int, ours: str, args: Qwen3ModelArgs) 
     moe = args.is_moe_layer(layer)
     if (part.startswith(_MOE_MLP) and not moe) or (part.startswith(_DENSE_MLP) and moe):
         kind = "an MoE" if moe else "a dense"
-        raise ValueError(f"HF key {hf_key!r} does not fit layer {layer}, which is {kind} layer in the model args")
+        name = args.field_names
+        rule = f"{name('num_experts')}, {name('decoder_sparse_step')} and {name('mlp_only_layers')}"
+        raise ValueError(
+            f"HF key {hf_key!r} does not fit layer {layer}, which is {kind} layer by the model's "
+            f"{rule}{f' of {name.source}' if name.source else ''}"
+        )

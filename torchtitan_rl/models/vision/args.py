@@ -47,9 +47,13 @@ class VisionArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def field_names(self) -> FieldNames:
+        return FieldNames(self.source, self.HF_KEYS)
+
     def __post_init__(self) -> None:
         # Named "vision <field>" unless read from a file, whose vision_config the source names.
-        name = FieldNames(self.source, self.HF_KEYS)
+        name = self.field_names
         prefix = "" if self.source else "vision "
         for key in ("dim", "n_layers", "n_heads", "hidden_dim", "patch_size", "num_channels", "max_patches_per_side"):
             value = getattr(self, key)

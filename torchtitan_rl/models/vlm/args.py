@@ -82,7 +82,9 @@ class VLMModelArgs(Qwen3ModelArgs):
         if text.is_moe:
             raise ValueError(f"{source}: text_config is a Qwen3-MoE model; the VLM supports dense Qwen3 only")
         if hf_config_field(config, "projector_hidden_act", str, source, "gelu") != "gelu":
-            raise ValueError(f"{source}: projector_hidden_act={config['projector_hidden_act']!r} is not supported (only 'gelu')")
+            raise ValueError(
+                f"{source}: projector_hidden_act={config['projector_hidden_act']!r} is not supported (only 'gelu')"
+            )
         if hf_config_field(config, "vision_feature_layer", int, source, -1) != -1:
             raise ValueError(
                 f"{source}: vision_feature_layer={config['vision_feature_layer']!r} is not supported "
@@ -168,7 +170,9 @@ def _vision_from_hf(config: dict[str, Any], attn_backend: str, source: str) -> V
     # Transformers' Pixtral default is gelu, but shipped checkpoints (and our SwiGLU) are silu.
     hidden_act = hf_config_field(config, "hidden_act", str, source, "gelu")
     if hidden_act != "silu":
-        raise ValueError(f"{source}: hidden_act={hidden_act!r} is not supported (only 'silu'; transformers defaults to 'gelu')")
+        raise ValueError(
+            f"{source}: hidden_act={hidden_act!r} is not supported (only 'silu'; transformers defaults to 'gelu')"
+        )
     if hf_config_field(config, "attention_dropout", float, source, 0.0) != 0.0:
         raise ValueError(f"{source}: attention_dropout={config['attention_dropout']!r} is not supported (only 0)")
     dim = hf_config_field(config, "hidden_size", int, source)

@@ -15,7 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtitan_rl.models.attention import AttentionState
-from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, RMSNorm, check_packed_inputs
+from torchtitan_rl.models.qwen3.model import (
+    INIT_STD,
+    Qwen3Model,
+    RMSNorm,
+    check_packed_inputs,
+)
 from torchtitan_rl.models.vision.model import VisionTransformer, check_grids
 from torchtitan_rl.models.vlm.args import VLMModelArgs
 

@@ -94,7 +94,11 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: VLMModelArgs) -> dict[
                 raise ValueError(f"unexpected key {key!r} in HF Mistral3 state dict")
             layer = int(match.group(1))
             if layer >= args.vision.n_layers:
-                raise ValueError(f"HF key {key!r} is for vision layer {layer}, but vision n_layers={args.vision.n_layers}")
+                vision = args.vision
+                raise ValueError(
+                    f"HF key {key!r} is for vision layer {layer}, but "
+                    f"{'' if vision.source else 'vision '}{vision.field_names.value('n_layers', vision.n_layers)}"
+                )
             state_dict[f"vision_tower.layers.{layer}.{_VISION_LAYER_FROM_HF[match.group(2)]}"] = tensor
     state_dict.update(qwen3_adapter.from_hf(lm, args))
     return state_dict
