@@ -247,21 +247,31 @@ def summary_of(text: str) -> tuple[str, str]:
     return lines[0][2:].strip(), " ".join(paragraph)
 
 
+def script_of(text: str) -> str:
+    """The script named by a page's ``Command:`` line (``"—"`` when there is none)."""
+    for line in text.splitlines():
+        if line.startswith("Command: `"):
+            for word in line[len("Command: `"):].replace("`", " ").split():
+                if word.startswith("scripts/") and word.endswith(".py"):
+                    return f"`{word}`"
+    return "—"
+
+
 def render_index(pages: dict[str, str]) -> str:
     """The index of ``{file name: page text}``: one table row per page, by file name."""
     rows = []
     for name in sorted(pages):
         title, summary = summary_of(pages[name])
-        rows.append([f"[{title}]({name})", summary])
+        rows.append([f"[{title}]({name})", script_of(pages[name]), summary])
     return "\n".join([
         "# Benchmarks",
         "",
         "One page per benchmark script; the script rewrites its page when it runs (a hand-written",
         f"`{NOTES_HEADING}` section at the end of a page is kept). Ratios compare variants measured in",
         "the same run, alternating between them, because the machines are shared. This index is",
-        "remade from the pages' titles and first paragraphs by `scripts/bench_common.py`.",
+        "remade from the pages by every publish, or by `python scripts/bench_common.py`.",
         "",
-        *markdown_table(["page", "what it measures"], rows),
+        *markdown_table(["page", "script", "what it measures"], rows),
     ]) + "\n"
 
 
@@ -318,3 +328,7 @@ def publish(args: argparse.Namespace, title: str, summary: str, body: list[str])
             write_index(DOCS)
         print(f"wrote {page}", file=sys.stderr)
     return text
+
+
+if __name__ == "__main__":
+    write_index()  # after a page was edited by hand

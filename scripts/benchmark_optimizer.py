@@ -55,8 +55,9 @@ def main() -> None:
             optimizers[name].step()
             if step > 0:  # the first step allocates the optimizer state
                 times[name].append(time.perf_counter() - start)
-    scale = max(p.abs().max() for p in models["foreach"].parameters())
-    diff = max((a - b).abs().max() for a, b in zip(models["fused"].parameters(), models["foreach"].parameters()))
+    with torch.no_grad():
+        scale = max(p.abs().max() for p in models["foreach"].parameters())
+        diff = max((a - b).abs().max() for a, b in zip(models["fused"].parameters(), models["foreach"].parameters()))
     median = {name: statistics.median(values) for name, values in times.items()}
     rows = [[name, f"{median[name] * 1000:.0f} ms ({ratio(median[name], median['foreach'])})",
              "reference" if name == "foreach" else f"max difference {float(diff / scale):.1e} of the largest parameter"]

@@ -4,7 +4,7 @@
   (so pi_old is recomputed): 1 rank, dp=2 and dp=2 x tp=2 give the same rewards, losses, KL,
   entropy and grad norms (1e-4), compared with ``scripts/loss_compare.py``.
 - The embedded recipe learns: on 2 ranks the mean reward of its last steps exceeds that of its
-  first steps by a margin calibrated from longer runs (docs/benchmarks.md).
+  first steps by a margin calibrated from longer runs (docs/benchmarks/grpo.md).
 - Resume: a run restarted from its mid-run checkpoint logs exactly the uninterrupted run's
   numbers.
 """
@@ -85,7 +85,7 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2(layout_runs):
 # ------------------------------------------------------------------ learning and resume
 
 STEPS, INTERVAL = 60, 30
-# Calibrated in docs/benchmarks.md: over 3 seeds the last 5 of the recipe's 60 steps beat the
+# Calibrated in docs/benchmarks/grpo.md: over 3 seeds the last 5 of the recipe's 60 steps beat the
 # first 5 by 0.28 to 0.52 in mean reward (after 30 steps by as little as 0.09: too early to test).
 MARGIN = 0.15
 EXACT_TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "lr", "rl/reward_mean", "rl/pass@1", "rl/entropy",

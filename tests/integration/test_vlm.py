@@ -2,7 +2,7 @@
 learns the colours of the built-in ``shapes`` task, judged on fresh images by
 ``scripts/eval_vlm_shapes.py`` from the run's Hugging Face export.
 
-Calibration (docs/benchmarks.md): after the recipe's 120 steps, colour accuracy on 60 held-out
+Calibration (docs/benchmarks/vlm.md): after the recipe's 120 steps, colour accuracy on 60 held-out
 questions was 0.98, 0.72, 0.58 and 0.50 for seeds 42 (the recipe's), 1, 2 and 3, against a
 chance of 1/6; after 60 steps 0.23-0.50. The bar below, 0.4 (24 of 60 right), is more than
 twice chance, which guessing reaches with probability below 1e-4.

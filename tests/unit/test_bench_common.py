@@ -133,13 +133,17 @@ def test_command_line_leaves_out_the_publishing_options():
 
 
 def test_index_lists_every_page_with_its_summary(tmp_path):
-    (tmp_path / "zeta.md").write_text("# Zeta bench\n\nMeasures zeta,\nover two lines.\n\nCommand: `x`\n")
-    (tmp_path / "alpha.md").write_text("# Alpha bench\n\nMeasures alpha.\n\n## Notes\n\nmore\n")
+    (tmp_path / "zeta.md").write_text("# Zeta bench\n\nMeasures zeta,\nover two lines.\n\n"
+                                      "Command: `python scripts/benchmark_zeta.py --steps 3`\n")
+    (tmp_path / "alpha.md").write_text("# Alpha bench\n\nMeasures alpha.\n\nCommand: `python scripts/alpha.py`\n\n"
+                                       "## Notes\n\nmore\n")
+    (tmp_path / "beta.md").write_text("# Beta bench\n\nMeasured by hand.\n")
     (tmp_path / bench.INDEX).write_text("stale")
     bench.write_index(str(tmp_path))
     index = (tmp_path / bench.INDEX).read_text()
     rows = [line for line in index.splitlines() if line.startswith("| [")]
-    assert rows == ["| [Alpha bench](alpha.md) | Measures alpha. |",
-                    "| [Zeta bench](zeta.md) | Measures zeta, over two lines. |"]
+    assert rows == ["| [Alpha bench](alpha.md) | `scripts/alpha.py` | Measures alpha. |",
+                    "| [Beta bench](beta.md) | — | Measured by hand. |",
+                    "| [Zeta bench](zeta.md) | `scripts/benchmark_zeta.py` | Measures zeta, over two lines. |"]
     with pytest.raises(ValueError, match="starts with a '# title' line"):
         bench.summary_of("no title\n")

@@ -10,7 +10,8 @@ import torch
 
 from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.recipes import RECIPES, get_recipe
-from torchtitan_rl.recipes.base import describe_os_error
+from torchtitan_rl.data.tokenizer import build_tokenizer
+from torchtitan_rl.recipes.base import describe_os_error, model_args_from_config
 from torchtitan_rl.recipes.grpo import GRPORecipe
 from torchtitan_rl.recipes.sft import SFTRecipe
 
@@ -95,3 +96,12 @@ def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
             "--rl.sft_warmup_steps", "3", "--rl.sft_warmup_batch_size", "4"]
     with pytest.raises(ValueError, match=r"rl.sft_warmup_steps=3: .*rl.num_train_prompts=0 leaves none of the 5 "):
         GRPORecipe(parse(*args))
+
+
+@pytest.mark.parametrize("coef, expected", [(0.0, (0.001, False)), (0.05, (0.05, True))])
+def test_moe_export_writes_the_router_loss_in_force(coef, expected):
+    cfg = parse("--job.config_file", str(CONFIGS / "debug_model.toml"), "--model.flavor", "debugmodel_moe",
+                "--moe.aux_loss_coef", str(coef))
+    args = model_args_from_config(cfg, torch.device("cpu"), build_tokenizer(""))
+    exported = args.to_hf_config("float32")
+    assert (exported["router_aux_loss_coef"], exported["output_router_logits"]) == expected

@@ -106,7 +106,7 @@ class Optimizer:
 
     implementation: Literal["auto", "fused", "foreach"] = "auto"
     """AdamW kernel: fused (one kernel per parameter group; measured several times faster than
-    foreach on CPU and equal to it up to float rounding, docs/benchmarks.md) or foreach
+    foreach on CPU and equal to it up to float rounding, docs/benchmarks/optimizer.md) or foreach
     (multi-tensor ops). auto picks fused."""
 
 

@@ -18,7 +18,7 @@ from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
 from torchtitan_rl.config.validation import HF_FLAVOR, check_model_settings, hf_config_dir
 from torchtitan_rl.data.packing import VisionPacking
-from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids
+from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids, image_token_strings
 from torchtitan_rl.data.vision_samples import VisionDataConfig
 from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_rl.distributed.compile import apply_compile
@@ -30,7 +30,8 @@ from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
-from torchtitan_rl.models.qwen3.args import check_flavor
+from torchtitan_rl.models.qwen3.args import check_flavor, with_router_aux_loss
+from torchtitan_rl.models.vlm.args import with_image_token_id
 from torchtitan_rl.models.qwen3.model import param_seed
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
@@ -70,10 +71,13 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
         args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
     if args.is_moe:
         args = dataclasses.replace(args, experts_impl=job_config.moe.experts_impl)
+        args = with_router_aux_loss(args, job_config.moe.aux_loss_coef)
     if spec.takes_images:
         m = job_config.model
-        image_id = image_token_ids(tokenizer, m.image_token, m.image_break_token, m.image_end_token).image
-        args = dataclasses.replace(args, image_token_id=image_id, vision=dataclasses.replace(args.vision, attn_backend=backend))
+        tokens = (m.image_token, m.image_break_token, m.image_end_token)
+        image_id = image_token_ids(tokenizer, *tokens).image
+        args = with_image_token_id(args, image_id, image_token_strings(tokenizer, *tokens)[0])
+        args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
     ckpt = job_config.checkpoint
     if ckpt.initial_load_in_hf and job_config.model.flavor != HF_FLAVOR:
         # Before building anything: a wrong flavor would otherwise surface as a shape error.

@@ -40,7 +40,7 @@ class FieldNames:
         return ValueError(f"{self.source}: {message}" if self.source else message)
 
     def value(self, name: str, value: Any) -> str:
-        """``name=value`` for a message that names the file elsewhere or not at all."""
+        """``name=value``, or ``key=value of <file>`` for args read from a config.json."""
         return f"{self(name)}={value!r} of {self.source}" if self.source else f"{name}={value!r}"
 
 
