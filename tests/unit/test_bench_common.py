@@ -102,7 +102,8 @@ def test_publish_rewrites_the_page_and_keeps_its_notes(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "machine_line", lambda: "a test machine")
     bench.publish(_args(page), "Demo", "What the demo measures.", ["| a |", "|---|", "| 1 |"])
     first = page.read_text()
-    assert first.startswith("# Demo\n\nWhat the demo measures.\n\nCommand: `python scripts/benchmark_demo.py --rounds 3`")
+    assert first.startswith("# Demo\n\nWhat the demo measures.\n\n"
+                            "Command: `python scripts/benchmark_demo.py --rounds 3`")
     assert "on a test machine." in first and "| 1 |" in first and "## Notes" not in first
 
     # A maintainer adds notes (with a sub-section); the next run replaces the body only.
