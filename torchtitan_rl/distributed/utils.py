@@ -21,7 +21,7 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     forces a GPU synchronization.
     """
     if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
