@@ -83,8 +83,12 @@ def collect_alternating(variants: dict[str, Callable], rounds: int) -> dict[str,
     return results
 
 
-def time_alternating(variants: dict[str, Callable[[], object]], rounds: int, warmup: int = 1,
-                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def time_alternating(
+    variants: dict[str, Callable[[], object]],
+    rounds: int,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, float]:
     """Median seconds of one call of each variant over ``rounds`` alternating rounds, after
     ``warmup`` rounds that are not counted (compilation, caches, first allocations)."""
     if rounds < 1:
@@ -141,8 +145,13 @@ class TrainRun:
         return values[min(values)], values[max(values)]
 
 
-def run_train(overrides: list[str], ranks: int | None = 2, dump_folder: str | None = None,
-              env: dict | None = None, timeout: float | None = None) -> TrainRun:
+def run_train(
+    overrides: list[str],
+    ranks: int | None = 2,
+    dump_folder: str | None = None,
+    env: dict | None = None,
+    timeout: float | None = None,
+) -> TrainRun:
     """Run ``train.py OVERRIDES`` (under torchrun with ``ranks`` processes, or plain python for
     ``None``) and read back what it logged to TensorBoard.
 
@@ -154,15 +163,27 @@ def run_train(overrides: list[str], ranks: int | None = 2, dump_folder: str | No
 
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
         dump = dump_folder or tmp
-        cmd = [*launcher(ranks), os.path.join(ROOT, "train.py"), *overrides, "--metrics.enable_tensorboard", "true",
-               "--metrics.save_tb_folder", "tb", "--job.dump_folder", dump]
+        cmd = [
+            *launcher(ranks),
+            os.path.join(ROOT, "train.py"),
+            *overrides,
+            "--metrics.enable_tensorboard",
+            "true",
+            "--metrics.save_tb_folder",
+            "tb",
+            "--job.dump_folder",
+            dump,
+        ]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, check=False, cwd=ROOT, env=launch_env(env), capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            cmd, check=False, cwd=ROOT, env=launch_env(env), capture_output=True, text=True, timeout=timeout
+        )
         wall = time.perf_counter() - start
         if proc.returncode != 0:
-            raise RuntimeError(f"train.py failed (exit status {proc.returncode}): {shlex.join(cmd)}\n"
-                               + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
+            raise RuntimeError(
+                f"train.py failed (exit status {proc.returncode}): {shlex.join(cmd)}\n"
+                + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            )
         scalars = read_scalars(os.path.join(dump, "tb"))
     return TrainRun(wall, scalars, cmd)
 
@@ -180,7 +201,7 @@ def launch_workers(script: str, ranks: int, args: list[str], env: dict | None = 
         proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=launch_env(env))
         results = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
         if proc.returncode == 0 and results:
-            return json.loads(results[0][len(RESULT_PREFIX):])
+            return json.loads(results[0][len(RESULT_PREFIX) :])
         output = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
         # torchrun's own summary ("ChildFailedError") names no cause; prefer the worker's error.
         errors = [line for line in output if ("Error" in line or "error:" in line) and "ChildFailedError" not in line]
@@ -188,8 +209,11 @@ def launch_workers(script: str, ranks: int, args: list[str], env: dict | None = 
         error = (errors or output or [f"exit status {proc.returncode}"])[-1][-300:]
         if attempt < retries:
             tail = "\n".join(output[-40:])
-            print(f"warning: {shlex.join(cmd[3:])} failed ({error}); retrying. Output's tail:\n{tail}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {shlex.join(cmd[3:])} failed ({error}); retrying. Output's tail:\n{tail}",
+                file=sys.stderr,
+                flush=True,
+            )
     return {"error": error}
 
 
@@ -221,15 +245,22 @@ def notes_of(text: str) -> str | None:
     return None
 
 
-def render_page(title: str, summary: str, command: str, machine: str, date: str, body: list[str],
-                notes: str | None = None) -> str:
+def render_page(
+    title: str, summary: str, command: str, machine: str, date: str, body: list[str], notes: str | None = None
+) -> str:
     """A benchmark's page: title, summary, command, machine and date, body, then ``notes``."""
     for line in body:
         if line.rstrip() == NOTES_HEADING:
-            raise ValueError(f"the body of {title!r} may not hold a {NOTES_HEADING!r} heading: that section is kept "
-                             "from the page written before")
-    text = "\n".join([f"# {title}", "", summary, "", f"Command: `{command}`", "",
-                      f"Measured {date} on {machine}.", "", *body]).rstrip() + "\n"
+            raise ValueError(
+                f"the body of {title!r} may not hold a {NOTES_HEADING!r} heading: that section is kept "
+                "from the page written before"
+            )
+    text = (
+        "\n".join(
+            [f"# {title}", "", summary, "", f"Command: `{command}`", "", f"Measured {date} on {machine}.", "", *body]
+        ).rstrip()
+        + "\n"
+    )
     return text + ("\n" + notes if notes else "")
 
 
@@ -251,7 +282,7 @@ def script_of(text: str) -> str:
     """The script named by a page's ``Command:`` line (``"—"`` when there is none)."""
     for line in text.splitlines():
         if line.startswith("Command: `"):
-            for word in line[len("Command: `"):].replace("`", " ").split():
+            for word in line[len("Command: `") :].replace("`", " ").split():
                 if word.startswith("scripts/") and word.endswith(".py"):
                     return f"`{word}`"
     return "—"
@@ -263,16 +294,21 @@ def render_index(pages: dict[str, str]) -> str:
     for name in sorted(pages):
         title, summary = summary_of(pages[name])
         rows.append([f"[{title}]({name})", script_of(pages[name]), summary])
-    return "\n".join([
-        "# Benchmarks",
-        "",
-        "One page per benchmark script; the script rewrites its page when it runs (a hand-written",
-        f"`{NOTES_HEADING}` section at the end of a page is kept). Ratios compare variants measured in",
-        "the same run, alternating between them, because the machines are shared. This index is",
-        "remade from the pages by every publish, or by `python scripts/bench_common.py`.",
-        "",
-        *markdown_table(["page", "script", "what it measures"], rows),
-    ]) + "\n"
+    return (
+        "\n".join(
+            [
+                "# Benchmarks",
+                "",
+                "One page per benchmark script; the script rewrites its page when it runs (a hand-written",
+                f"`{NOTES_HEADING}` section at the end of a page is kept). Ratios compare variants measured in",
+                "the same run, alternating between them, because the machines are shared. This index is",
+                "remade from the pages by every publish, or by `python scripts/bench_common.py`.",
+                "",
+                *markdown_table(["page", "script", "what it measures"], rows),
+            ]
+        )
+        + "\n"
+    )
 
 
 def write_index(folder: str = DOCS) -> None:
@@ -288,8 +324,9 @@ def write_index(folder: str = DOCS) -> None:
 def add_publish_args(parser: argparse.ArgumentParser, name: str) -> None:
     """``--no-write`` and ``--page`` (default ``docs/benchmarks/<name>.md``)."""
     parser.add_argument("--no-write", action="store_true", help="print the page only; write nothing")
-    parser.add_argument("--page", default=os.path.join(DOCS, f"{name}.md"),
-                        help="page to rewrite (default: %(default)s)")
+    parser.add_argument(
+        "--page", default=os.path.join(DOCS, f"{name}.md"), help="page to rewrite (default: %(default)s)"
+    )
 
 
 def command_line(argv: list[str] | None = None) -> str:

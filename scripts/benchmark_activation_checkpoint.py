@@ -16,9 +16,9 @@ import argparse
 import dataclasses
 
 import torch
-from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torch.profiler import ProfilerActivity, profile
 
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -43,21 +43,34 @@ def main() -> None:
     dims.build_meshes("cpu")
     device = torch.device("cpu")
     model_args = dataclasses.replace(
-        qwen3_flavors["debugmodel"], dim=args.dim, n_layers=args.layers, hidden_dim=3 * args.dim,
-        attn_backend="sdpa_loop", max_seq_len=args.tokens,
+        qwen3_flavors["debugmodel"],
+        dim=args.dim,
+        n_layers=args.layers,
+        hidden_dim=3 * args.dim,
+        attn_backend="sdpa_loop",
+        max_seq_len=args.tokens,
     )
     ids = torch.randint(0, model_args.vocab_size, (args.tokens + 1,))
     sample = Sample(input_ids=ids[:-1], labels=ids[1:], loss_mask=torch.ones(args.tokens, dtype=torch.bool))
     engines = {}
     for name, (mode, every) in MODES.items():
-        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32,
-                            ac_mode=mode, ac_every=every)
+        model = build_model(
+            model_args,
+            parallel_dims=dims,
+            device=device,
+            seed=0,
+            param_dtype=torch.float32,
+            ac_mode=mode,
+            ac_every=every,
+        )
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
-        options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024,
-                                max_norm=1.0)
-        engines[name] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device,
-                               options=options)
+        options = EngineOptions(
+            reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024, max_norm=1.0
+        )
+        engines[name] = Engine(
+            model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+        )
 
     def step(engine: Engine) -> None:
         engine.forward_backward([sample])
@@ -69,20 +82,35 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step(engine)
         peaks[name] = cpu_memory_timeline(prof)["peak_allocated_bytes"] / 2**20
-    median = time_alternating({name: (lambda e=engine: step(e)) for name, engine in engines.items()}, args.repeats,
-                              warmup=0)
+    median = time_alternating(
+        {name: (lambda e=engine: step(e)) for name, engine in engines.items()}, args.repeats, warmup=0
+    )
     body = [
-        (f"One process, Qwen3 with dim {args.dim}, {args.layers} layers, vocab {model_args.vocab_size}, one sequence "
-         f"of {args.tokens} tokens; peak memory allocated by the step (profiler), median step time of {args.repeats} "
-         "alternating rounds:"),
+        (
+            f"One process, Qwen3 with dim {args.dim}, {args.layers} layers, vocab {model_args.vocab_size}, one sequence "
+            f"of {args.tokens} tokens; peak memory allocated by the step (profiler), median step time of {args.repeats} "
+            "alternating rounds:"
+        ),
         "",
-        *markdown_table(["activation_checkpoint.mode", "peak step memory", "step time"],
-                        [[name, f"{peaks[name]:.0f} MiB ({ratio(peaks[name], peaks['none'])})",
-                          f"{median[name] * 1000:.0f} ms ({ratio(median[name], median['none'])})"]
-                         for name in engines]),
+        *markdown_table(
+            ["activation_checkpoint.mode", "peak step memory", "step time"],
+            [
+                [
+                    name,
+                    f"{peaks[name]:.0f} MiB ({ratio(peaks[name], peaks['none'])})",
+                    f"{median[name] * 1000:.0f} ms ({ratio(median[name], median['none'])})",
+                ]
+                for name in engines
+            ],
+        ),
     ]
-    publish(args, "Activation checkpointing", "Peak step memory and step time of activation checkpointing `none`, "
-            "`full` and `selective` on one long sequence (CPU).", body)
+    publish(
+        args,
+        "Activation checkpointing",
+        "Peak step memory and step time of activation checkpointing `none`, "
+        "`full` and `selective` on one long sequence (CPU).",
+        body,
+    )
 
 
 if __name__ == "__main__":

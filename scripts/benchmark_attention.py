@@ -19,6 +19,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+
 from bench_common import (
     add_publish_args,
     collect_alternating,
@@ -28,7 +29,6 @@ from bench_common import (
     run_train,
     time_alternating,
 )
-
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.models.attention import build_attention_context, packed_attention
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
@@ -41,8 +41,17 @@ RECIPE_MICROBATCH = [35, 39, 35, 38, 36, 35, 38, 37, 36, 36, 39, 37, 36, 35]
 
 
 def recipe_run(backend: str, steps: int) -> dict[str, float]:
-    run = run_train(["--job.config_file", "train_configs/debug_model.toml", "--training.steps", str(steps),
-                     "--model.attn_backend", backend], ranks=2)
+    run = run_train(
+        [
+            "--job.config_file",
+            "train_configs/debug_model.toml",
+            "--training.steps",
+            str(steps),
+            "--model.attn_backend",
+            backend,
+        ],
+        ranks=2,
+    )
     tps = run.series("throughput(tps)")
     return {"wall": run.wall_s, "tps": statistics.median([tps[step] for step in sorted(tps)][1:])}  # 1st: warm-up
 
@@ -71,6 +80,7 @@ def bench_model(lengths: list[int], repeats: int) -> dict[str, float]:
             model.args = dataclasses.replace(args, attn_backend=backend)
             model.zero_grad(set_to_none=True)
             F.cross_entropy(model.output(model(tokens, positions, seq_ids)), tokens).backward()
+
         return run
 
     return time_alternating({b: step(b) for b in BACKENDS}, repeats)
@@ -87,6 +97,7 @@ def bench_kernel(q_ids, q_pos, kv_ids, kv_pos, repeats: int) -> dict[str, float]
         def run():
             context = build_attention_context(backend, q_ids, q_pos, kv_ids, kv_pos)
             packed_attention(q, k, v, context).sum().backward()
+
         return run
 
     return time_alternating({b: step(b) for b in BACKENDS}, repeats)
@@ -129,27 +140,66 @@ def main() -> None:
     body = [
         "float32, one thread per process. `auto vs X` = time of X / time of auto (> 1: auto is faster).",
         "",
-        (f"Debug recipe (`train.py --job.config_file train_configs/debug_model.toml`, 2 gloo ranks, {args.steps} "
-         f"steps, median of {args.rounds} runs per backend; tokens/s = median logged window after the first):"),
-        "",
-        *markdown_table(["backend", "tokens/s per rank", "wall-clock incl. start-up"],
-                        [[b, f"{r['tps']:.0f} ({ratio(r['tps'], recipe['auto']['tps'])} of auto)", f"{r['wall']:.1f} s"]
-                         for b, r in recipe.items()]),
-        "",
-        ("One packed micro-batch, `debugmodel` forward + backward (tokens/s) and packed attention alone "
-         f"(context build + forward + backward), median of {args.repeats} alternating rounds:"),
+        (
+            f"Debug recipe (`train.py --job.config_file train_configs/debug_model.toml`, 2 gloo ranks, {args.steps} "
+            f"steps, median of {args.rounds} runs per backend; tokens/s = median logged window after the first):"
+        ),
         "",
         *markdown_table(
-            ["packing", "tokens", "model: auto tokens/s", "model: auto vs loop", "model: auto vs dense",
-             "attention: auto ms", "attention: auto vs loop", "attention: auto vs dense"],
-            [[name, tokens, f"{tokens / model['auto']:.0f}", *speedups(model), f"{kernel['auto'] * 1e3:.1f}",
-              *speedups(kernel)] for name, tokens, model, kernel in rows]
-            + [["CP share: rank 0 of cp=2, 8 × 512 (2048 queries × 4096 keys)", 2048, "", "", "",
-                f"{cp_kernel['auto'] * 1e3:.1f}", *speedups(cp_kernel)]],
+            ["backend", "tokens/s per rank", "wall-clock incl. start-up"],
+            [
+                [b, f"{r['tps']:.0f} ({ratio(r['tps'], recipe['auto']['tps'])} of auto)", f"{r['wall']:.1f} s"]
+                for b, r in recipe.items()
+            ],
+        ),
+        "",
+        (
+            "One packed micro-batch, `debugmodel` forward + backward (tokens/s) and packed attention alone "
+            f"(context build + forward + backward), median of {args.repeats} alternating rounds:"
+        ),
+        "",
+        *markdown_table(
+            [
+                "packing",
+                "tokens",
+                "model: auto tokens/s",
+                "model: auto vs loop",
+                "model: auto vs dense",
+                "attention: auto ms",
+                "attention: auto vs loop",
+                "attention: auto vs dense",
+            ],
+            [
+                [
+                    name,
+                    tokens,
+                    f"{tokens / model['auto']:.0f}",
+                    *speedups(model),
+                    f"{kernel['auto'] * 1e3:.1f}",
+                    *speedups(kernel),
+                ]
+                for name, tokens, model, kernel in rows
+            ]
+            + [
+                [
+                    "CP share: rank 0 of cp=2, 8 × 512 (2048 queries × 4096 keys)",
+                    2048,
+                    "",
+                    "",
+                    "",
+                    f"{cp_kernel['auto'] * 1e3:.1f}",
+                    *speedups(cp_kernel),
+                ]
+            ],
         ),
     ]
-    publish(args, "Attention backends", "`auto` (= `sdpa_varlen` on CPU) against `sdpa_loop` and `sdpa_dense`: the "
-            "debug recipe end to end, one packed micro-batch, and a context-parallel share.", body)
+    publish(
+        args,
+        "Attention backends",
+        "`auto` (= `sdpa_varlen` on CPU) against `sdpa_loop` and `sdpa_dense`: the "
+        "debug recipe end to end, one packed micro-batch, and a context-parallel share.",
+        body,
+    )
 
 
 if __name__ == "__main__":

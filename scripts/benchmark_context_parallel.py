@@ -42,6 +42,7 @@ import time
 from dataclasses import replace
 
 import torch
+
 from bench_common import add_publish_args, launch_workers, markdown_table, print_result, publish
 
 VARIANTS = ("local", "local_unchunked", "gather")
@@ -125,7 +126,9 @@ def _train_step(args, variant, dims, device):
     from torchtitan_rl.recipes.base import build_model
 
     model_args = replace(
-        qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend=args.attn_backend,
+        qwen3_flavors["debugmodel"],
+        vocab_size=args.vocab,
+        attn_backend=args.attn_backend,
         max_seq_len=max(args.tokens, qwen3_flavors["debugmodel"].max_seq_len),
     )
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -134,11 +137,20 @@ def _train_step(args, variant, dims, device):
     scheduler = build_lr_scheduler(optimizer, 100, 0, "linear", 0.0)
     autocast_dtype = param_dtype if (dims.fsdp_mesh() is None and param_dtype != torch.float32) else None
     chunk = args.tokens if variant == "local_unchunked" else args.chunk
-    options = EngineOptions(reduction="token_mean", horizon=args.tokens, max_tokens_per_microbatch=0,
-                            logits_chunk_size=chunk, max_norm=1.0)
-    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device,
-                    options=options, autocast_dtype=autocast_dtype)
+    options = EngineOptions(
+        reduction="token_mean", horizon=args.tokens, max_tokens_per_microbatch=0, logits_chunk_size=chunk, max_norm=1.0
+    )
+    engine = Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        parallel_dims=dims,
+        device=device,
+        options=options,
+        autocast_dtype=autocast_dtype,
+    )
     if variant == "gather":
+
         def gathered_token_losses(mb):
             with engine._autocast():
                 hidden = engine.model(mb.input_ids, mb.positions, mb.seq_ids)
@@ -211,10 +223,20 @@ def run(part: str, cp: int, args, on_cuda: bool) -> dict:
         available = _available_bytes()
         if available is not None and need > 0.9 * available:
             variants.remove("gather")
-            skipped["gather"] = {"error": f"not run: about {need / 2**30:.0f} GiB over {cp} ranks would not "
-                                          f"fit ({available / 2**30:.0f} GiB available)"}
-    worker_args = [f"--part={part}", "--variants", *variants, f"--tokens={args.tokens}", f"--dim={args.dim}",
-                   f"--vocab={args.vocab}", f"--chunk={args.chunk}", f"--attn-backend={args.attn_backend}"]
+            skipped["gather"] = {
+                "error": f"not run: about {need / 2**30:.0f} GiB over {cp} ranks would not "
+                f"fit ({available / 2**30:.0f} GiB available)"
+            }
+    worker_args = [
+        f"--part={part}",
+        "--variants",
+        *variants,
+        f"--tokens={args.tokens}",
+        f"--dim={args.dim}",
+        f"--vocab={args.vocab}",
+        f"--chunk={args.chunk}",
+        f"--attn-backend={args.attn_backend}",
+    ]
     result = launch_workers(__file__, cp, worker_args) if variants else {}
     if "error" in result:
         result = {variant: result for variant in variants}
@@ -236,15 +258,31 @@ def table(part: str, results: dict, cps: list[int], args) -> list[str]:
     rows = []
     for cp in cps:
         row = {v: results.get((part, v, cp)) for v in VARIANTS}
-        rows.append([
-            cp, args.tokens // cp, *(_fmt(row[v]) if row[v] else "not run" for v in VARIANTS),
-            _ratio(row["local"], results.get((part, "local", 1))),
-            _ratio(row["local_unchunked"], results.get((part, "local_unchunked", 1))),
-            _ratio(row["local"], row["gather"]), _ratio(row["local_unchunked"], row["gather"]),
-        ])
-    return markdown_table(["cp", "tokens per rank", "CP-local, chunked", "CP-local, unchunked", "all-gather logits",
-                           "chunked cp/cp=1", "unchunked cp/cp=1", "chunked / all-gather", "unchunked / all-gather"],
-                          rows)
+        rows.append(
+            [
+                cp,
+                args.tokens // cp,
+                *(_fmt(row[v]) if row[v] else "not run" for v in VARIANTS),
+                _ratio(row["local"], results.get((part, "local", 1))),
+                _ratio(row["local_unchunked"], results.get((part, "local_unchunked", 1))),
+                _ratio(row["local"], row["gather"]),
+                _ratio(row["local_unchunked"], row["gather"]),
+            ]
+        )
+    return markdown_table(
+        [
+            "cp",
+            "tokens per rank",
+            "CP-local, chunked",
+            "CP-local, unchunked",
+            "all-gather logits",
+            "chunked cp/cp=1",
+            "unchunked cp/cp=1",
+            "chunked / all-gather",
+            "unchunked / all-gather",
+        ],
+        rows,
+    )
 
 
 def target_lines(results: dict, cps: list[int]) -> list[str]:
@@ -264,10 +302,11 @@ def target_lines(results: dict, cps: list[int]) -> list[str]:
             vs = _ratio(r, gather)
             vs_text = "" if vs == "—" else f"; {vs}x the all-gather variant's {gather['peak_gib'] * 1024:.0f} MiB"
             lines.append(f"- {part}, CP-local {name}: cp={top} / cp=1 = {ratio} ({verdict} the 0.3x target){vs_text}.")
-    head = (f"Target (for the loss path: per-rank peak at cp={top} within 0.3x of cp=1 and below the "
-            "all-gather variant; the training step is held to the same bar for comparison):")
-    return ([head, ""]
-            + lines + [""]) if lines else []
+    head = (
+        f"Target (for the loss path: per-rank peak at cp={top} within 0.3x of cp=1 and below the "
+        "all-gather variant; the training step is held to the same bar for comparison):"
+    )
+    return ([head, ""] + lines + [""]) if lines else []
 
 
 def main() -> None:
@@ -278,12 +317,17 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument("--cp", nargs="+", type=int, default=[1, 2, 4], help="context-parallel degrees (ranks)")
     parser.add_argument("--tokens", type=int, default=16384, help="length of the one packed sequence")
-    parser.add_argument("--dim", type=int, default=256, help="hidden size of the loss-path part (the step "
-                        "uses the debugmodel's 128)")
+    parser.add_argument(
+        "--dim", type=int, default=256, help="hidden size of the loss-path part (the step uses the debugmodel's 128)"
+    )
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--chunk", type=int, default=1024, help="tokens per loss chunk of the chunked path")
-    parser.add_argument("--attn-backend", default="sdpa_loop", choices=("sdpa_loop", "sdpa_dense", "flex"),
-                        help="attention of the training step (flex: CUDA only)")
+    parser.add_argument(
+        "--attn-backend",
+        default="sdpa_loop",
+        choices=("sdpa_loop", "sdpa_dense", "flex"),
+        help="attention of the training step (flex: CUDA only)",
+    )
     add_publish_args(parser, "context_parallel")
     args = parser.parse_args()
     if args.worker:
@@ -307,29 +351,44 @@ def main() -> None:
     if on_cuda:
         method = "allocator peak (`torch.cuda.max_memory_allocated`) above the memory allocated before the step"
     else:
-        method = ("peak of the bytes allocated during the step and still alive, from the PyTorch profiler's "
-                  "allocation events (`profile_memory=True`, `torchtitan_rl.profiling.cpu_memory_timeline`; "
-                  "tensors that existed before the step, parameters and optimizer state, are not counted)")
+        method = (
+            "peak of the bytes allocated during the step and still alive, from the PyTorch profiler's "
+            "allocation events (`profile_memory=True`, `torchtitan_rl.profiling.cpu_memory_timeline`; "
+            "tensors that existed before the step, parameters and optimizer state, are not counted)"
+        )
     body = [
-        (f"{'NCCL, one GPU per rank' if on_cuda else 'gloo, one thread per rank'}; {minutes:.0f} min in all. One "
-         f"packed sequence of {args.tokens} tokens split zigzag over cp ranks; vocab {args.vocab}; chunked = "
-         f"{args.chunk}-token chunks, unchunked = one chunk holding every local token; all-gather logits = local "
-         "logits all-gathered over cp (autograd) before an unchunked loss. Per-rank peak memory, the largest over "
-         f"the cp ranks, of the step after one warm-up: {method}. Times are of that profiled step, slowest rank"
-         + ("" if on_cuda else f"; with more ranks than the {os.cpu_count()} cores they share them") + "."),
+        (
+            f"{'NCCL, one GPU per rank' if on_cuda else 'gloo, one thread per rank'}; {minutes:.0f} min in all. One "
+            f"packed sequence of {args.tokens} tokens split zigzag over cp ranks; vocab {args.vocab}; chunked = "
+            f"{args.chunk}-token chunks, unchunked = one chunk holding every local token; all-gather logits = local "
+            "logits all-gathered over cp (autograd) before an unchunked loss. Per-rank peak memory, the largest over "
+            f"the cp ranks, of the step after one warm-up: {method}. Times are of that profiled step, slowest rank"
+            + ("" if on_cuda else f"; with more ranks than the {os.cpu_count()} cores they share them")
+            + "."
+        ),
         "",
     ]
     if "loss" in args.parts:
         body += [f"Loss path (output head + log-probs + backward from the rank's hidden states, dim {args.dim}):", ""]
         body += table("loss", results, args.cp, args) + [""]
     if "step" in args.parts:
-        body += [(f"Training step (`Engine.forward_backward` + `optim_step`, `debugmodel` Qwen3 with vocab "
-                  f"{args.vocab}, `{args.attn_backend}` attention, parameters FSDP-sharded over cp):"), ""]
+        body += [
+            (
+                f"Training step (`Engine.forward_backward` + `optim_step`, `debugmodel` Qwen3 with vocab "
+                f"{args.vocab}, `{args.attn_backend}` attention, parameters FSDP-sharded over cp):"
+            ),
+            "",
+        ]
         body += table("step", results, args.cp, args) + [""]
     body += target_lines(results, args.cp)
-    publish(args, "Context parallel memory on one long sequence", "Per-rank peak memory and time of the loss path "
-            "and of a training step at cp = 1, 2, 4: CP-local losses (chunked, unchunked) against all-gathered "
-            "logits.", body)
+    publish(
+        args,
+        "Context parallel memory on one long sequence",
+        "Per-rank peak memory and time of the loss path "
+        "and of a training step at cp = 1, 2, 4: CP-local losses (chunked, unchunked) against all-gathered "
+        "logits.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -83,8 +83,9 @@ def worker(args) -> None:
         rows = load_rows("", args.dataset, "train", 0, 0)
         prefetch = {}
     load_s = time.time() - load_start
-    loader = SFTDataLoader(rows, ByteTokenizer(), args.seq_len, args.global_batch_size, "truncate", 0, rank, WORLD_SIZE,
-                           **prefetch)
+    loader = SFTDataLoader(
+        rows, ByteTokenizer(), args.seq_len, args.global_batch_size, "truncate", 0, rank, WORLD_SIZE, **prefetch
+    )
     next(loader)
     startup_s = time.time() - args.launch_time
     a = torch.randn(256, 256)
@@ -104,9 +105,18 @@ def worker(args) -> None:
         steps.append(time.perf_counter() - step_start)
     if hasattr(loader, "close"):
         loader.close()
-    print(json.dumps({"rank": rank, "startup_s": startup_s, "load_s": load_s,
-                      "wait_ms": 1000 * statistics.median(waits), "step_ms": 1000 * statistics.median(steps),
-                      **memory_kib()}))
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "startup_s": startup_s,
+                "load_s": load_s,
+                "wait_ms": 1000 * statistics.median(waits),
+                "step_ms": 1000 * statistics.median(steps),
+                **memory_kib(),
+            }
+        )
+    )
 
 
 def launch(tree: str, dataset: str, cache: str, prefetch: bool, args) -> list[dict]:
@@ -114,10 +124,27 @@ def launch(tree: str, dataset: str, cache: str, prefetch: bool, args) -> list[di
     procs = []
     for rank in range(WORLD_SIZE):
         env = launch_env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD_SIZE)})
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--tree", tree, "--dataset", dataset,
-               "--cache", cache, "--launch-time", repr(launch_time), "--seq-len", str(args.seq_len),
-               "--global-batch-size", str(args.global_batch_size), "--steps", str(args.steps),
-               "--step-ms", str(args.step_ms)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--worker",
+            "--tree",
+            tree,
+            "--dataset",
+            dataset,
+            "--cache",
+            cache,
+            "--launch-time",
+            repr(launch_time),
+            "--seq-len",
+            str(args.seq_len),
+            "--global-batch-size",
+            str(args.global_batch_size),
+            "--steps",
+            str(args.steps),
+            "--step-ms",
+            str(args.step_ms),
+        ]
         if prefetch:
             cmd.append("--prefetch")
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -180,22 +207,42 @@ def main() -> None:
     def median(name: str, rank: int, key: str) -> float:
         return statistics.median(run[rank][key] for run in results[name])
 
-    rows = [[name, rank, gib(median(name, rank, "VmHWM")),
-             " / ".join(gib(median(name, rank, key)) for key in ("RssAnon", "RssFile", "Pss")),
-             f"{median(name, rank, 'startup_s'):.1f} s", f"{median(name, rank, 'load_s'):.1f} s",
-             f"{median(name, rank, 'step_ms'):.0f} ms / {median(name, rank, 'wait_ms'):.1f} ms"]
-            for name in variants for rank in range(WORLD_SIZE)]
+    rows = [
+        [
+            name,
+            rank,
+            gib(median(name, rank, "VmHWM")),
+            " / ".join(gib(median(name, rank, key)) for key in ("RssAnon", "RssFile", "Pss")),
+            f"{median(name, rank, 'startup_s'):.1f} s",
+            f"{median(name, rank, 'load_s'):.1f} s",
+            f"{median(name, rank, 'step_ms'):.0f} ms / {median(name, rank, 'wait_ms'):.1f} ms",
+        ]
+        for name in variants
+        for rank in range(WORLD_SIZE)
+    ]
     body = [
-        (f"{args.rows:,} chat rows in one JSONL ({os.path.getsize(dataset) / 2**20:.0f} MiB; prepared Arrow file "
-         f"{arrow_size / 2**20:.0f} MiB), 2 rank processes of one node, byte tokenizer, global batch "
-         f"{args.global_batch_size}, seq_len {args.seq_len}; medians of {args.repeats} alternating rounds. Start-up: "
-         f"process start to the first mini-batch. Step: {args.steps} steps of {args.step_ms:.0f} ms of "
-         "single-threaded matmuls (when alone) plus `next`; wait: the time in `next`. RssFile pages are shared "
-         "(the one Arrow copy in the page cache); Pss divides them among the ranks mapping them. `before` is "
-         "`--before`'s tree (here a worktree of the commit before the memory-mapped copy)."),
+        (
+            f"{args.rows:,} chat rows in one JSONL ({os.path.getsize(dataset) / 2**20:.0f} MiB; prepared Arrow file "
+            f"{arrow_size / 2**20:.0f} MiB), 2 rank processes of one node, byte tokenizer, global batch "
+            f"{args.global_batch_size}, seq_len {args.seq_len}; medians of {args.repeats} alternating rounds. Start-up: "
+            f"process start to the first mini-batch. Step: {args.steps} steps of {args.step_ms:.0f} ms of "
+            "single-threaded matmuls (when alone) plus `next`; wait: the time in `next`. RssFile pages are shared "
+            "(the one Arrow copy in the page cache); Pss divides them among the ranks mapping them. `before` is "
+            "`--before`'s tree (here a worktree of the commit before the memory-mapped copy)."
+        ),
         "",
-        *markdown_table(["variant", "rank", "peak RSS (VmHWM)", "RssAnon / RssFile / Pss at end", "start-up",
-                         "of which load_rows", "step / wait"], rows),
+        *markdown_table(
+            [
+                "variant",
+                "rank",
+                "peak RSS (VmHWM)",
+                "RssAnon / RssFile / Pss at end",
+                "start-up",
+                "of which load_rows",
+                "step / wait",
+            ],
+            rows,
+        ),
     ]
     if args.before:
         before = max(median("before", r, "VmHWM") for r in range(WORLD_SIZE))
@@ -203,14 +250,21 @@ def main() -> None:
         cold = max(median("cold", r, "VmHWM") for r in range(WORLD_SIZE))
         body += [
             "",
-            (f"Largest per-rank peak RSS: before {gib(before)}, after {gib(cold)} while preparing (cold) and "
-             f"{gib(warm)} re-using ({warm / before:.2f}x). Start-up (slowest rank): before "
-             f"{max(median('before', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, cold "
-             f"{max(median('cold', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, warm "
-             f"{max(median('warm, prefetch', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s."),
+            (
+                f"Largest per-rank peak RSS: before {gib(before)}, after {gib(cold)} while preparing (cold) and "
+                f"{gib(warm)} re-using ({warm / before:.2f}x). Start-up (slowest rank): before "
+                f"{max(median('before', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, cold "
+                f"{max(median('cold', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s, warm "
+                f"{max(median('warm, prefetch', r, 'startup_s') for r in range(WORLD_SIZE)):.1f} s."
+            ),
         ]
-    publish(args, "Data loading at scale", "Per-rank peak memory and start-up of 2 ranks loading a 1M-row JSONL: "
-            "one memory-mapped Arrow copy per node, with and without prefetch.", body)
+    publish(
+        args,
+        "Data loading at scale",
+        "Per-rank peak memory and start-up of 2 ranks loading a 1M-row JSONL: "
+        "one memory-mapped Arrow copy per node, with and without prefetch.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ import argparse
 import dataclasses
 
 import torch
-from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
 from torchtitan_rl.recipes.base import build_model
@@ -57,19 +57,27 @@ def main() -> None:
     generated = sum(len(r.completion_tokens) for r in outputs["kv_cache"])
     median = time_alternating({name: (lambda name=name: run(name)) for name in generators}, args.rounds, warmup=0)
     body = [
-        (f"One process, `debugmodel` Qwen3 (fp32, `{args.attn_backend}` for prefill / no-cache), {len(prompts)} "
-         f"prompts of {', '.join(map(str, args.prompt_lens))} tokens × {args.samples} samples, {args.new_tokens} new "
-         f"tokens per row ({generated} in all), temperature 1, one batch; median of {args.rounds} alternating rounds "
-         f"of `TorchGenerator.generate`. Both modes sampled the same tokens: {'yes' if same_tokens else 'NO'}."),
+        (
+            f"One process, `debugmodel` Qwen3 (fp32, `{args.attn_backend}` for prefill / no-cache), {len(prompts)} "
+            f"prompts of {', '.join(map(str, args.prompt_lens))} tokens × {args.samples} samples, {args.new_tokens} new "
+            f"tokens per row ({generated} in all), temperature 1, one batch; median of {args.rounds} alternating rounds "
+            f"of `TorchGenerator.generate`. Both modes sampled the same tokens: {'yes' if same_tokens else 'NO'}."
+        ),
         "",
-        *markdown_table(["mode", "time per generate", "generated tokens/s"],
-                        [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{generated / median[name]:.0f}"]
-                         for name in generators]),
+        *markdown_table(
+            ["mode", "time per generate", "generated tokens/s"],
+            [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{generated / median[name]:.0f}"] for name in generators],
+        ),
         "",
         f"- `kv_cache` / `no_cache` throughput: {ratio(median['no_cache'], median['kv_cache'], digits=1)}.",
     ]
-    publish(args, "Rollout generator: KV cache vs no cache", "Generated tokens per second of `TorchGenerator` with "
-            "its static KV cache against rerunning every row's whole sequence.", body)
+    publish(
+        args,
+        "Rollout generator: KV cache vs no cache",
+        "Generated tokens per second of `TorchGenerator` with "
+        "its static KV cache against rerunning every row's whole sequence.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -47,14 +47,25 @@ def main() -> None:
 
     rows, phase_sums, step_sum, runs = [], dict.fromkeys(PHASES, 0.0), 0.0, {}
     for seed in seeds:
-        run = run_train(["--job.config_file", RECIPE, "--training.steps", str(args.steps), "--debug.seed", str(seed)],
-                        ranks=args.ranks)
+        run = run_train(
+            ["--job.config_file", RECIPE, "--training.steps", str(args.steps), "--debug.seed", str(seed)],
+            ranks=args.ranks,
+        )
         s = runs[f"seed {seed}"] = run.scalars
         reward = s[REWARD]
-        rows.append([seed, f"{run.wall_s:.0f} s", f"{sum(s['time/step_s'].values()):.0f} s",
-                     *(f"{mean([reward[i] for i in window]):.3f}"
-                       for window in (range(1, 6), range(26, 31), range(args.steps - 4, args.steps + 1))),
-                     f"{s['eval/pass@1'][args.steps]:.3f}", f"{s['rl/entropy'][args.steps]:.3f}"])
+        rows.append(
+            [
+                seed,
+                f"{run.wall_s:.0f} s",
+                f"{sum(s['time/step_s'].values()):.0f} s",
+                *(
+                    f"{mean([reward[i] for i in window]):.3f}"
+                    for window in (range(1, 6), range(26, 31), range(args.steps - 4, args.steps + 1))
+                ),
+                f"{s['eval/pass@1'][args.steps]:.3f}",
+                f"{s['rl/entropy'][args.steps]:.3f}",
+            ]
+        )
         for phase in PHASES:
             phase_sums[phase] += sum(s.get(f"time/{phase}_s", {}).values())
         step_sum += sum(s["time/step_s"].values())
@@ -62,20 +73,39 @@ def main() -> None:
     with open(os.path.join(ROOT, RECIPE), "rb") as f:
         warmup = tomllib.load(f)["rl"]["sft_warmup_steps"]
     body = [
-        (f"`{RECIPE}` ({args.steps} RL steps after its {warmup}-step SFT warm-up; 8 arithmetic prompts × 16 "
-         f"completions per step, PPO) on {args.ranks} gloo ranks, one run per seed; `RL steps` is the time of the RL "
-         "steps alone."),
+        (
+            f"`{RECIPE}` ({args.steps} RL steps after its {warmup}-step SFT warm-up; 8 arithmetic prompts × 16 "
+            f"completions per step, PPO) on {args.ranks} gloo ranks, one run per seed; `RL steps` is the time of the RL "
+            "steps alone."
+        ),
         "",
-        *markdown_table(["seed", "wall-clock", "RL steps", "reward, steps 1-5", "steps 26-30", "last 5",
-                         "held-out greedy pass@1", "entropy"], rows),
+        *markdown_table(
+            [
+                "seed",
+                "wall-clock",
+                "RL steps",
+                "reward, steps 1-5",
+                "steps 26-30",
+                "last 5",
+                "held-out greedy pass@1",
+                "entropy",
+            ],
+            rows,
+        ),
         "",
         "Share of RL step time per phase (all seeds): "
-        + ", ".join(f"{phase} {phase_sums[phase] / step_sum:.1%}" for phase in PHASES if phase_sums[phase] > 0) + ".",
+        + ", ".join(f"{phase} {phase_sums[phase] / step_sum:.1%}" for phase in PHASES if phase_sums[phase] > 0)
+        + ".",
         "",
         "Figures: [reward per step](grpo_reward.svg), [reward vs time](grpo_reward_vs_time.svg).",
     ]
-    publish(args, "GRPO on the embedded recipe", "Reward curves of `debug_grpo.toml` over several seeds, held-out "
-            "pass@1, and the share of an RL step spent in each phase.", body)
+    publish(
+        args,
+        "GRPO on the embedded recipe",
+        "Reward curves of `debug_grpo.toml` over several seeds, held-out "
+        "pass@1, and the share of an RL step spent in each phase.",
+        body,
+    )
     if not args.no_write:
         folder = os.path.dirname(os.path.abspath(args.page))
         for name, x_tag in FIGURES.items():

@@ -23,6 +23,7 @@ import resource
 import time
 
 import torch
+
 from bench_common import add_publish_args, collect_alternating, launch_workers, markdown_table, print_result, publish
 
 VOCAB = 151936  # Qwen3
@@ -89,8 +90,11 @@ def worker(tokens: int, dim: int, vocab: int, chunk: int, variant: str) -> None:
 
 
 def run_config(tokens: int, dim: int, vocab: int, chunk: int, tp: int, variant: str) -> dict:
-    return launch_workers(__file__, tp, [f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}", f"--chunk={chunk}",
-                                 f"--variant={variant}"])
+    return launch_workers(
+        __file__,
+        tp,
+        [f"--tokens={tokens}", f"--dim={dim}", f"--vocab={vocab}", f"--chunk={chunk}", f"--variant={variant}"],
+    )
 
 
 def _mean(results: list[dict]) -> dict:
@@ -105,8 +109,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", choices=("chunked", "full"), default="chunked", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--dim", type=int, default=256,
-                        help="model dim (Qwen3-0.6B: 1024; smaller keeps CPU runs short)")
+    parser.add_argument(
+        "--dim", type=int, default=256, help="model dim (Qwen3-0.6B: 1024; smaller keeps CPU runs short)"
+    )
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--chunk", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds; figures are their means")
@@ -118,8 +123,14 @@ def main() -> None:
 
     configs = [("full", 1), ("chunked", 1), ("chunked", 2)]
     results = collect_alternating(
-        {config: (lambda config=config: run_config(args.tokens, args.dim, args.vocab, args.chunk, config[1], config[0]))
-         for config in configs}, args.rounds)
+        {
+            config: (
+                lambda config=config: run_config(args.tokens, args.dim, args.vocab, args.chunk, config[1], config[0])
+            )
+            for config in configs
+        },
+        args.rounds,
+    )
     means = {config: _mean(runs) for config, runs in results.items()}
     full = means[("full", 1)]
 
@@ -130,18 +141,33 @@ def main() -> None:
         return "—" if "error" in r or "error" in full else f"{r[key] / full[key]:.2f}"
 
     on_cuda = torch.cuda.is_available()
-    rows = [["full logits (`F.cross_entropy`)" if variant == "full" else "chunked (`token_loss`)", tp, fmt(r),
-             ratio(r, "peak_gib"), ratio(r, "seconds")] for (variant, tp), r in means.items()]
+    rows = [
+        [
+            "full logits (`F.cross_entropy`)" if variant == "full" else "chunked (`token_loss`)",
+            tp,
+            fmt(r),
+            ratio(r, "peak_gib"),
+            ratio(r, "seconds"),
+        ]
+        for (variant, tp), r in means.items()
+    ]
     body = [
-        (f"Output head + log-probs + backward, {args.tokens} tokens, vocab {args.vocab}, dim {args.dim}, chunk "
-         f"{args.chunk} tokens; per-rank peak memory of the loss path "
-         f"({'allocator peak' if on_cuda else 'peak RSS growth'}) and time of one forward+backward, means of "
-         f"{args.rounds} alternating rounds in fresh processes."),
+        (
+            f"Output head + log-probs + backward, {args.tokens} tokens, vocab {args.vocab}, dim {args.dim}, chunk "
+            f"{args.chunk} tokens; per-rank peak memory of the loss path "
+            f"({'allocator peak' if on_cuda else 'peak RSS growth'}) and time of one forward+backward, means of "
+            f"{args.rounds} alternating rounds in fresh processes."
+        ),
         "",
         *markdown_table(["variant", "tp", "per-rank peak, time", "memory / full", "time / full"], rows),
     ]
-    publish(args, "Loss path memory and time", "The chunked loss path (`token_loss`, alone and vocab-parallel over "
-            "tp=2) against full logits (`F.cross_entropy`): per-rank peak memory and time.", body)
+    publish(
+        args,
+        "Loss path memory and time",
+        "The chunked loss path (`token_loss`, alone and vocab-parallel over "
+        "tp=2) against full logits (`F.cross_entropy`): per-rank peak memory and time.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -50,16 +50,27 @@ def worker(args) -> None:
         model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
         optimizer = build_optimizer(model, 1e-5, 0.9, 0.95, 1e-8, 0.0)
         scheduler = build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0)
-        routers = {"off": RouterLossConfig()} if impl == "loop" else {
-            "off": RouterLossConfig(),
-            "global": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="global", z_loss_coef=0.001),
-            "sequence": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="sequence", z_loss_coef=0.001),
-        }
+        routers = (
+            {"off": RouterLossConfig()}
+            if impl == "loop"
+            else {
+                "off": RouterLossConfig(),
+                "global": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="global", z_loss_coef=0.001),
+                "sequence": RouterLossConfig(aux_loss_coef=0.01, aux_loss_scope="sequence", z_loss_coef=0.001),
+            }
+        )
         for name, router in routers.items():
-            options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=args.tokens,
-                                    logits_chunk_size=1024, max_norm=1.0, router=router)
-            engines[f"{impl}/{name}"] = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims,
-                                               device=device, options=options)
+            options = EngineOptions(
+                reduction="token_mean",
+                horizon=1,
+                max_tokens_per_microbatch=args.tokens,
+                logits_chunk_size=1024,
+                max_norm=1.0,
+                router=router,
+            )
+            engines[f"{impl}/{name}"] = Engine(
+                model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+            )
     times: dict[str, list[float]] = {name: [] for name in engines}
     # Alternating like bench_common.time_alternating, with barriers so that every rank times the
     # same step; the first round warms up.
@@ -76,6 +87,7 @@ def worker(args) -> None:
         print_result({name: statistics.median(values) for name, values in times.items()})
     dist.destroy_process_group()
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
@@ -88,8 +100,11 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    t = launch_workers(__file__, args.ranks, ["--microbatches", str(args.microbatches), "--tokens", str(args.tokens),
-                                              "--repeats", str(args.repeats)])
+    t = launch_workers(
+        __file__,
+        args.ranks,
+        ["--microbatches", str(args.microbatches), "--tokens", str(args.tokens), "--repeats", str(args.repeats)],
+    )
     if "error" in t:
         raise SystemExit(f"the ranks failed: {t['error']}")
     off = t["grouped_mm/off"]
@@ -98,17 +113,28 @@ def main() -> None:
         return f"{t[name] * 1000:.0f} ms (+{(t[name] - off) / t[name] * 100:.0f} % of the step"
 
     body = [
-        (f"`debugmodel_moe` (8 experts, top-2), {args.ranks} FSDP gloo ranks, {args.microbatches} micro-batches of "
-         f"{args.tokens} tokens per rank, median of {args.repeats} alternating rounds:"),
+        (
+            f"`debugmodel_moe` (8 experts, top-2), {args.ranks} FSDP gloo ranks, {args.microbatches} micro-batches of "
+            f"{args.tokens} tokens per rank, median of {args.repeats} alternating rounds:"
+        ),
         "",
-        (f"- Expert kernels, router losses off: `grouped_mm` {off * 1000:.0f} ms per step, per-expert `loop` "
-         f"{t['loop/off'] * 1000:.0f} ms ({ratio(t['loop/off'], off)})."),
-        (f"- Router losses (`grouped_mm`): global scope + z-loss {overhead('grouped_mm/global')}: the no-grad counting "
-         f"pass over the {args.microbatches} micro-batches and one all-reduce of the counts); sequence scope + z-loss "
-         f"{overhead('grouped_mm/sequence')}, one small all-reduce per micro-batch, no counting pass)."),
+        (
+            f"- Expert kernels, router losses off: `grouped_mm` {off * 1000:.0f} ms per step, per-expert `loop` "
+            f"{t['loop/off'] * 1000:.0f} ms ({ratio(t['loop/off'], off)})."
+        ),
+        (
+            f"- Router losses (`grouped_mm`): global scope + z-loss {overhead('grouped_mm/global')}: the no-grad counting "
+            f"pass over the {args.microbatches} micro-batches and one all-reduce of the counts); sequence scope + z-loss "
+            f"{overhead('grouped_mm/sequence')}, one small all-reduce per micro-batch, no counting pass)."
+        ),
     ]
-    publish(args, "Qwen3-MoE training step", "Step time of the MoE expert kernels (`grouped_mm`, `loop`) and what "
-            "the router losses (global and sequence scope, z-loss) add to a step.", body)
+    publish(
+        args,
+        "Qwen3-MoE training step",
+        "Step time of the MoE expert kernels (`grouped_mm`, `loop`) and what "
+        "the router losses (global and sequence scope, z-loss) add to a step.",
+        body,
+    )
 
 
 if __name__ == "__main__":

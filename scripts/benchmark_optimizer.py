@@ -17,8 +17,8 @@ import statistics
 import time
 
 import torch
-from bench_common import add_publish_args, alternating_order, markdown_table, publish, ratio
 
+from bench_common import add_publish_args, alternating_order, markdown_table, publish, ratio
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.optim import build_optimizer
@@ -35,7 +35,11 @@ def main() -> None:
     add_publish_args(parser, "optimizer")
     args = parser.parse_args()
     model_args = dataclasses.replace(
-        qwen3_flavors["0.6B"], dim=args.dim, n_layers=args.layers, hidden_dim=3 * args.dim, vocab_size=args.vocab,
+        qwen3_flavors["0.6B"],
+        dim=args.dim,
+        n_layers=args.layers,
+        hidden_dim=3 * args.dim,
+        vocab_size=args.vocab,
     )
     models = {}
     for name in IMPLEMENTATIONS:
@@ -59,17 +63,28 @@ def main() -> None:
         scale = max(p.abs().max() for p in models["foreach"].parameters())
         diff = max((a - b).abs().max() for a, b in zip(models["fused"].parameters(), models["foreach"].parameters()))
     median = {name: statistics.median(values) for name, values in times.items()}
-    rows = [[name, f"{median[name] * 1000:.0f} ms ({ratio(median[name], median['foreach'])})",
-             "reference" if name == "foreach" else f"max difference {float(diff / scale):.1e} of the largest parameter"]
-            for name in IMPLEMENTATIONS]
+    rows = [
+        [
+            name,
+            f"{median[name] * 1000:.0f} ms ({ratio(median[name], median['foreach'])})",
+            "reference" if name == "foreach" else f"max difference {float(diff / scale):.1e} of the largest parameter",
+        ]
+        for name in IMPLEMENTATIONS
+    ]
     body = [
-        (f"One process, the {num_params / 1e6:.0f}M float32 parameters of a Qwen3 with dim {args.dim}, {args.layers} "
-         f"layers, vocab {args.vocab}; {args.steps} steps on the same random gradients, alternating:"),
+        (
+            f"One process, the {num_params / 1e6:.0f}M float32 parameters of a Qwen3 with dim {args.dim}, {args.layers} "
+            f"layers, vocab {args.vocab}; {args.steps} steps on the same random gradients, alternating:"
+        ),
         "",
         *markdown_table(["optimizer.implementation", "step time", "parameters after the steps vs foreach"], rows),
     ]
-    publish(args, "Fused vs foreach AdamW", "Step time of AdamW's fused and foreach implementations, and how far "
-            "their parameters drift apart.", body)
+    publish(
+        args,
+        "Fused vs foreach AdamW",
+        "Step time of AdamW's fused and foreach implementations, and how far their parameters drift apart.",
+        body,
+    )
 
 
 if __name__ == "__main__":

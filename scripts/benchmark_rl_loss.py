@@ -16,9 +16,9 @@ import argparse
 import dataclasses
 
 import torch
-from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torch.profiler import ProfilerActivity, profile
 
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -30,8 +30,10 @@ LOSSES = {
     "cross_entropy": ("cross_entropy", {}),
     # RL losses always compute the entropy (for rl/entropy); without a bonus it gets no gradient.
     "ppo": ("ppo", {"dual_clip_c": 3.0}),
-    "ppo+kl+entropy": ("ppo", {"dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl",
-                               "entropy_coef": 0.01}),
+    "ppo+kl+entropy": (
+        "ppo",
+        {"dual_clip_c": 3.0, "kl_coef": 0.05, "kl_estimator": "low_var_kl", "entropy_coef": 0.01},
+    ),
 }
 
 
@@ -41,12 +43,17 @@ def make_samples(num: int, seq_len: int, vocab: int) -> list[Sample]:
     for i in range(num):
         ids = torch.randint(0, vocab, (seq_len + 1,), generator=gen)
         base = -torch.log(torch.tensor(float(vocab)))
-        samples.append(Sample(
-            input_ids=ids[:-1], labels=ids[1:], loss_mask=torch.arange(seq_len) >= seq_len // 4,
-            advantages=torch.randn(seq_len, generator=gen),
-            sampler_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen),
-            ref_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen), group_id=i // 4,
-        ))
+        samples.append(
+            Sample(
+                input_ids=ids[:-1],
+                labels=ids[1:],
+                loss_mask=torch.arange(seq_len) >= seq_len // 4,
+                advantages=torch.randn(seq_len, generator=gen),
+                sampler_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen),
+                ref_logprobs=base + 0.1 * torch.randn(seq_len, generator=gen),
+                group_id=i // 4,
+            )
+        )
     return samples
 
 
@@ -78,8 +85,13 @@ def main() -> None:
     dims.build_meshes(device.type)
     model_args = dataclasses.replace(qwen3_flavors["debugmodel"], vocab_size=args.vocab, attn_backend="sdpa_loop")
     model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
-    options = EngineOptions(reduction="sequence_mean", horizon=args.seq_len, max_tokens_per_microbatch=args.budget,
-                            logits_chunk_size=1024, max_norm=0.0)
+    options = EngineOptions(
+        reduction="sequence_mean",
+        horizon=args.seq_len,
+        max_tokens_per_microbatch=args.budget,
+        logits_chunk_size=1024,
+        max_norm=0.0,
+    )
     engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
     samples = make_samples(args.samples, args.seq_len, args.vocab)
 
@@ -91,26 +103,38 @@ def main() -> None:
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
         return step
 
     median = time_alternating({name: step_of(name) for name in LOSSES}, args.rounds)
     peaks = {name: peak_bytes(step_of(name), device) for name in LOSSES}
     base = "cross_entropy"
     body = [
-        (f"One process, `debugmodel` Qwen3 with vocab {args.vocab}, {args.samples} × {args.seq_len}-token sequences "
-         f"packed into {args.budget}-token micro-batches, `sequence_mean`; `Engine.forward_backward` + zero_grad, "
-         f"median of {args.rounds} alternating rounds; peak = bytes allocated during one step and still alive "
-         "(memory from before the step not counted)."),
+        (
+            f"One process, `debugmodel` Qwen3 with vocab {args.vocab}, {args.samples} × {args.seq_len}-token sequences "
+            f"packed into {args.budget}-token micro-batches, `sequence_mean`; `Engine.forward_backward` + zero_grad, "
+            f"median of {args.rounds} alternating rounds; peak = bytes allocated during one step and still alive "
+            "(memory from before the step not counted)."
+        ),
         "",
-        *markdown_table(["loss", "step time", "peak memory"],
-                        [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{peaks[name] / 2**20:.0f} MiB"]
-                         for name in LOSSES]),
+        *markdown_table(
+            ["loss", "step time", "peak memory"],
+            [[f"`{name}`", f"{median[name] * 1e3:.0f} ms", f"{peaks[name] / 2**20:.0f} MiB"] for name in LOSSES],
+        ),
         "",
-        *[f"- `{name}` / `{base}`: time {ratio(median[name], median[base])}, peak memory "
-          f"{ratio(peaks[name], peaks[base])}." for name in LOSSES if name != base],
+        *[
+            f"- `{name}` / `{base}`: time {ratio(median[name], median[base])}, peak memory "
+            f"{ratio(peaks[name], peaks[base])}."
+            for name in LOSSES
+            if name != base
+        ],
     ]
-    publish(args, "RL loss overhead per step", "Step time and peak memory of the RL losses (PPO, with KL and "
-            "entropy bonus) against cross-entropy.", body)
+    publish(
+        args,
+        "RL loss overhead per step",
+        "Step time and peak memory of the RL losses (PPO, with KL and entropy bonus) against cross-entropy.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -16,9 +16,9 @@ import argparse
 import dataclasses
 
 import torch
-from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 
 import torchtitan_rl.models.qwen3.model as qwen3_model
+from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
 
 RECOMPUTE = qwen3_model.rotary_cos_sin
@@ -61,13 +61,17 @@ def measure(name: str, model_args, num_tokens: int, docs: int, repeats: int) -> 
         def run():
             qwen3_model.rotary_cos_sin = rotary
             step()
+
         return run
 
     # The first (warm-up) round also fills the cache.
     step_time = time_alternating({v: step_with(fn) for v, fn in variants.items()}, repeats)
     qwen3_model.rotary_cos_sin = RECOMPUTE
     return {
-        "name": name, "tokens": num_tokens, "exact": exact, "table": table_time,
+        "name": name,
+        "tokens": num_tokens,
+        "exact": exact,
+        "table": table_time,
         "step": step_time,
     }
 
@@ -84,20 +88,45 @@ def main() -> None:
         measure("debugmodel", debug, 2048, args.docs, args.repeats),
         measure("one layer of 0.6B's width (vocab 4096)", layer, 4096, args.docs, args.repeats),
     ]
-    rows = [[r["name"], r["tokens"], f"{r['table']['recompute'] * 1e3:.2f} ms", f"{r['table']['cached'] * 1e3:.2f} ms",
-             f"{r['step']['recompute'] * 1e3:.0f} ms",
-             f"{r['step']['cached'] * 1e3:.0f} ms ({ratio(r['step']['cached'], r['step']['recompute'], digits=3)})",
-             "yes" if r["exact"] else "no"] for r in results]
-    body = [
-        (f"One process, float32, one packed micro-batch of {args.docs} equal documents; the tables alone (computed "
-         "from the positions, or gathered from a table of every position) and a forward + backward of the model, "
-         f"medians of {args.repeats} alternating rounds:"),
-        "",
-        *markdown_table(["model", "tokens", "tables: recompute", "tables: cached", "fwd+bwd: recompute",
-                         "fwd+bwd: cached", "equal bit for bit"], rows),
+    rows = [
+        [
+            r["name"],
+            r["tokens"],
+            f"{r['table']['recompute'] * 1e3:.2f} ms",
+            f"{r['table']['cached'] * 1e3:.2f} ms",
+            f"{r['step']['recompute'] * 1e3:.0f} ms",
+            f"{r['step']['cached'] * 1e3:.0f} ms ({ratio(r['step']['cached'], r['step']['recompute'], digits=3)})",
+            "yes" if r["exact"] else "no",
+        ]
+        for r in results
     ]
-    publish(args, "RoPE tables: recomputed vs cached", "Whether caching the rotary cos/sin tables would speed up a "
-            "step: the tables alone and a model's forward + backward, both ways.", body)
+    body = [
+        (
+            f"One process, float32, one packed micro-batch of {args.docs} equal documents; the tables alone (computed "
+            "from the positions, or gathered from a table of every position) and a forward + backward of the model, "
+            f"medians of {args.repeats} alternating rounds:"
+        ),
+        "",
+        *markdown_table(
+            [
+                "model",
+                "tokens",
+                "tables: recompute",
+                "tables: cached",
+                "fwd+bwd: recompute",
+                "fwd+bwd: cached",
+                "equal bit for bit",
+            ],
+            rows,
+        ),
+    ]
+    publish(
+        args,
+        "RoPE tables: recomputed vs cached",
+        "Whether caching the rotary cos/sin tables would speed up a "
+        "step: the tables alone and a model's forward + backward, both ways.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,9 @@ RECIPE = "train_configs/vlm_shapes.toml"
 
 
 def recipe_figures(ranks: int, steps: int) -> dict:
-    scalars = run_train(["--job.config_file", RECIPE, "--training.steps", str(steps), "--metrics.log_freq", "1"],
-                        ranks=ranks).scalars
+    scalars = run_train(
+        ["--job.config_file", RECIPE, "--training.steps", str(steps), "--metrics.log_freq", "1"], ranks=ranks
+    ).scalars
     later = range(6, steps + 1)
     step_s = [scalars["tokens/total"][s] / (scalars["throughput(tps)"][s] * ranks) for s in later]
     return {
@@ -57,12 +58,36 @@ def recipe_figures(ranks: int, steps: int) -> dict:
 def accuracy(seed: int, ranks: int) -> tuple[float, float, float]:
     """(first loss, last loss, colour accuracy) of the recipe trained with ``seed``."""
     with tempfile.TemporaryDirectory() as dump:
-        run = run_train(["--job.config_file", RECIPE, "--debug.seed", str(seed), "--checkpoint.enable", "true",
-                         "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "true"],
-                        ranks=ranks, dump_folder=dump)
+        run = run_train(
+            [
+                "--job.config_file",
+                RECIPE,
+                "--debug.seed",
+                str(seed),
+                "--checkpoint.enable",
+                "true",
+                "--checkpoint.last_save_model_only",
+                "true",
+                "--checkpoint.last_save_in_hf",
+                "true",
+            ],
+            ranks=ranks,
+            dump_folder=dump,
+        )
         (export,) = os.listdir(os.path.join(dump, "checkpoint"))
-        out = subprocess.run([sys.executable, "scripts/eval_vlm_shapes.py", os.path.join(dump, "checkpoint", export),
-                              "--questions", "60"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [
+                sys.executable,
+                "scripts/eval_vlm_shapes.py",
+                os.path.join(dump, "checkpoint", export),
+                "--questions",
+                "60",
+            ],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     first, last = run.first_last("loss_metrics/global_avg_loss")
     return first, last, json.loads(out.splitlines()[-1])["colour_accuracy"]
 
@@ -86,10 +111,22 @@ def balance_worker(repeats: int) -> None:
     args = vlm_flavors["debugmodel"]
     model = build_model(args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
     optimizer = build_optimizer(model, 1e-4, 0.9, 0.95, 1e-8, 0.0)
-    options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=0, logits_chunk_size=1024,
-                            max_norm=1.0, vision=vision_packing(args))
-    engine = Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0),
-                    parallel_dims=dims, device=device, options=options)
+    options = EngineOptions(
+        reduction="token_mean",
+        horizon=1,
+        max_tokens_per_microbatch=0,
+        logits_chunk_size=1024,
+        max_norm=1.0,
+        vision=vision_packing(args),
+    )
+    engine = Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=build_lr_scheduler(optimizer, 10**6, 0, "linear", 0.0),
+        parallel_dims=dims,
+        device=device,
+        options=options,
+    )
     gen = torch.Generator().manual_seed(0)
     side, merge = 16, args.spatial_merge_size  # 16 x 16 patches (224 px): 64 image tokens
     samples = []
@@ -99,12 +136,19 @@ def balance_worker(repeats: int) -> None:
         n = 96 + num_images * per_image
         rows = torch.full((n,), -1)
         rows[8 : 8 + num_images * per_image] = torch.arange(num_images * per_image)
-        images = [SampleImage(torch.randn(side * side, args.vision.patch_dim, generator=gen), side, side)
-                  for _ in range(num_images)]
-        samples.append(Sample(input_ids=torch.randint(0, 250, (n,), generator=gen),
-                              labels=torch.randint(0, 250, (n,), generator=gen),
-                              loss_mask=torch.arange(n) >= 8 + num_images * per_image,
-                              images=images or None, vision_rows=rows if images else None))
+        images = [
+            SampleImage(torch.randn(side * side, args.vision.patch_dim, generator=gen), side, side)
+            for _ in range(num_images)
+        ]
+        samples.append(
+            Sample(
+                input_ids=torch.randint(0, 250, (n,), generator=gen),
+                labels=torch.randint(0, 250, (n,), generator=gen),
+                loss_mask=torch.arange(n) >= 8 + num_images * per_image,
+                images=images or None,
+                vision_rows=rows if images else None,
+            )
+        )
     costs = [sample_cost(len(s), s.num_patches) for s in samples]
     splits = {"off": contiguous_split(len(samples), world), "on": assign_to_ranks(costs, world)}
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -120,8 +164,9 @@ def balance_worker(repeats: int) -> None:
             if round_ > 0:  # the first round warms up
                 times[name].append(time.perf_counter() - start)
     if rank == 0:
-        print_result({name: (statistics.median(times[name]), imbalance(costs, split))
-                      for name, split in splits.items()})
+        print_result(
+            {name: (statistics.median(times[name]), imbalance(costs, split)) for name, split in splits.items()}
+        )
     dist.destroy_process_group()
 
 
@@ -150,19 +195,34 @@ def main() -> None:
     balance = balance_figures(args.repeats)
     off, on = balance["off"], balance["on"]
     body = [
-        (f"- `vlm_shapes.toml` on {args.ranks} gloo ranks (debugmodel VLM, 16 samples/step, "
-         f"~{recipe['images']:.1f} images and {recipe['tokens']:.0f} tokens per step): median step "
-         f"{recipe['step_s'] * 1000:.0f} ms, peak RSS {recipe['rss_gib']:.2f} GiB per rank (steps 6-{args.steps})."),
-        (f"- The recipe's full run on {args.ranks} ranks, colour accuracy on 60 fresh questions (chance 0.17), "
-         "by seed: " + ", ".join(f"{seed}: loss {first:.2f} → {last:.2f}, accuracy {acc:.2f}"
-                                 for seed, (first, last, acc) in accuracies.items()) + "."),
-        (f"- DP compute balancing, 2 FSDP ranks, two samples with 4 images of 16x16 patches each plus six "
-         f"text samples: slowest-rank step {off[0] * 1000:.0f} ms contiguous vs {on[0] * 1000:.0f} ms balanced "
-         f"({ratio(off[0], on[0])}); cost-model max/mean rank cost {off[1]:.2f} vs {on[1]:.2f} "
-         f"(median of {args.repeats} alternating rounds)."),
+        (
+            f"- `vlm_shapes.toml` on {args.ranks} gloo ranks (debugmodel VLM, 16 samples/step, "
+            f"~{recipe['images']:.1f} images and {recipe['tokens']:.0f} tokens per step): median step "
+            f"{recipe['step_s'] * 1000:.0f} ms, peak RSS {recipe['rss_gib']:.2f} GiB per rank (steps 6-{args.steps})."
+        ),
+        (
+            f"- The recipe's full run on {args.ranks} ranks, colour accuracy on 60 fresh questions (chance 0.17), "
+            "by seed: "
+            + ", ".join(
+                f"{seed}: loss {first:.2f} → {last:.2f}, accuracy {acc:.2f}"
+                for seed, (first, last, acc) in accuracies.items()
+            )
+            + "."
+        ),
+        (
+            f"- DP compute balancing, 2 FSDP ranks, two samples with 4 images of 16x16 patches each plus six "
+            f"text samples: slowest-rank step {off[0] * 1000:.0f} ms contiguous vs {on[0] * 1000:.0f} ms balanced "
+            f"({ratio(off[0], on[0])}); cost-model max/mean rank cost {off[1]:.2f} vs {on[1]:.2f} "
+            f"(median of {args.repeats} alternating rounds)."
+        ),
     ]
-    publish(args, "Vision-language training", "Step time and memory of the `vlm_shapes.toml` recipe, its colour "
-            "accuracy over several seeds, and what DP compute balancing saves on uneven images.", body)
+    publish(
+        args,
+        "Vision-language training",
+        "Step time and memory of the `vlm_shapes.toml` recipe, its colour "
+        "accuracy over several seeds, and what DP compute balancing saves on uneven images.",
+        body,
+    )
 
 
 if __name__ == "__main__":

@@ -35,23 +35,39 @@ from bench_common import ROOT, add_publish_args, launch_env, launcher, markdown_
 
 # Output lines that mean a rank aborted or did not tear down cleanly (torchrun's SIGTERM to the
 # surviving rank of a failed run is not one: that run counts among the other failures).
-ABORT_MARKERS = ("terminate called", "SIGABRT", "SIGSEGV", "Fatal Python error", "malloc(",
-                 "outlive destroy_process_group")
+ABORT_MARKERS = (
+    "terminate called",
+    "SIGABRT",
+    "SIGSEGV",
+    "Fatal Python error",
+    "malloc(",
+    "outlive destroy_process_group",
+)
 _RANK_ENTRY = "--rank-entry"
 
 
 def train_args(dump_folder: str, steps: int, async_mode: str) -> list[str]:
     return [
-        "--job.config_file", os.path.join(ROOT, "train_configs", "debug_model.toml"),
-        "--job.dump_folder", dump_folder,
-        "--training.steps", str(steps),
-        "--training.global_batch_size", "8",
-        "--training.seq_len", "64",
-        "--training.max_tokens_per_microbatch", "128",
-        "--metrics.log_freq", "1",
-        "--checkpoint.enable", "true",
-        "--checkpoint.interval", "2",
-        "--checkpoint.async_mode", async_mode,
+        "--job.config_file",
+        os.path.join(ROOT, "train_configs", "debug_model.toml"),
+        "--job.dump_folder",
+        dump_folder,
+        "--training.steps",
+        str(steps),
+        "--training.global_batch_size",
+        "8",
+        "--training.seq_len",
+        "64",
+        "--training.max_tokens_per_microbatch",
+        "128",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        async_mode,
     ]
 
 
@@ -59,8 +75,9 @@ def launch(repo: str, args: list[str], stress: bool, timeout_s: float) -> subpro
     """One 2-rank torchrun of ``repo``'s train.py (through this file's rank entry under stress)."""
     entry = [os.path.abspath(__file__), _RANK_ENTRY, repo] if stress else [os.path.join(repo, "train.py")]
     cmd = [*launcher(2), *entry, *args]
-    return subprocess.run(cmd, check=False, cwd=repo, env=launch_env(), capture_output=True, text=True,
-                          timeout=timeout_s)
+    return subprocess.run(
+        cmd, check=False, cwd=repo, env=launch_env(), capture_output=True, text=True, timeout=timeout_s
+    )
 
 
 def abort_lines(output: str) -> list[str]:
@@ -111,8 +128,9 @@ def main() -> int:
         for run in range(1, args.runs + 1):
             async_mode = "async" if run % 2 else "disabled"
             start = time.perf_counter()
-            proc = launch(args.repo, train_args(os.path.join(tmp, f"run{run}"), args.steps, async_mode),
-                          args.stress, args.timeout)
+            proc = launch(
+                args.repo, train_args(os.path.join(tmp, f"run{run}"), args.steps, async_mode), args.stress, args.timeout
+            )
             seconds = time.perf_counter() - start
             found = abort_lines(proc.stdout + proc.stderr)
             results.append((async_mode, proc.returncode, seconds, found))
@@ -128,18 +146,43 @@ def main() -> int:
         if runs:
             aborted = sum(1 for r in runs if r[3])
             other = sum(1 for r in runs if r[1] != 0 and not r[3])
-            rows.append([mode, len(runs), sum(r[1] == 0 for r in runs), aborted, other,
-                         f"{sum(r[2] for r in runs) / len(runs):.1f} s"])
+            rows.append(
+                [
+                    mode,
+                    len(runs),
+                    sum(r[1] == 0 for r in runs),
+                    aborted,
+                    other,
+                    f"{sum(r[2] for r in runs) / len(runs):.1f} s",
+                ]
+            )
     body = [
-        (f"train.py of {args.label}; {args.runs} consecutive 2-rank runs of {args.steps} steps with checkpoints at "
-         "step 2 and the last step"
-         + (", stressed (ranks pinned to one core each, gloo workers at SCHED_IDLE)" if args.stress else "") + "."),
+        (
+            f"train.py of {args.label}; {args.runs} consecutive 2-rank runs of {args.steps} steps with checkpoints at "
+            "step 2 and the last step"
+            + (", stressed (ranks pinned to one core each, gloo workers at SCHED_IDLE)" if args.stress else "")
+            + "."
+        ),
         "",
-        *markdown_table(["checkpoint.async_mode", "runs", "exit 0", "aborted (terminate / signal)", "other failures",
-                         "mean run time"], rows),
+        *markdown_table(
+            [
+                "checkpoint.async_mode",
+                "runs",
+                "exit 0",
+                "aborted (terminate / signal)",
+                "other failures",
+                "mean run time",
+            ],
+            rows,
+        ),
     ]
-    publish(args, "Clean exits", "Consecutive short 2-rank `train.py` runs with checkpoints, with and without async "
-            "saves (optionally stressed): how many exit 0.", body)
+    publish(
+        args,
+        "Clean exits",
+        "Consecutive short 2-rank `train.py` runs with checkpoints, with and without async "
+        "saves (optionally stressed): how many exit 0.",
+        body,
+    )
     return 0 if all(r[1] == 0 and not r[3] for r in results) else 1
 
 

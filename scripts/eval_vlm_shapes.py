@@ -58,8 +58,12 @@ def main() -> None:
     model_args = read_hf_model_args(args.export)
     model = VLMModel(model_args)
     load_hf_weights(model, args.export)
-    vision = VisionDataConfig(model_args.vision.patch_size, model_args.spatial_merge_size, args.max_image_tokens,
-                              max_patches_per_side=model_args.vision.max_patches_per_side)
+    vision = VisionDataConfig(
+        model_args.vision.patch_size,
+        model_args.spatial_merge_size,
+        args.max_image_tokens,
+        max_patches_per_side=model_args.vision.max_patches_per_side,
+    )
     accuracy = colour_accuracy(model.eval(), vision, args.questions, args.seed)
     print(json.dumps({"colour_accuracy": accuracy, "chance": 1 / len(COLOURS), "questions": args.questions}))
 

@@ -84,25 +84,38 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run = parser.add_argument_group("run mode (the default)")
-    run.add_argument("--config", default=os.path.join("train_configs", "debug_model.toml"),
-                     help="TOML recipe for both runs (default: %(default)s)")
-    run.add_argument("--baseline-ngpu", type=int, default=1,
-                     help="ranks (torchrun --nproc_per_node) of the baseline run (default: %(default)s)")
-    run.add_argument("--test-ngpu", type=int, default=1,
-                     help="ranks of the test run (default: %(default)s)")
-    run.add_argument("--baseline-options", default="",
-                     help="train.py overrides of the baseline run, one string")
+    run.add_argument(
+        "--config",
+        default=os.path.join("train_configs", "debug_model.toml"),
+        help="TOML recipe for both runs (default: %(default)s)",
+    )
+    run.add_argument(
+        "--baseline-ngpu",
+        type=int,
+        default=1,
+        help="ranks (torchrun --nproc_per_node) of the baseline run (default: %(default)s)",
+    )
+    run.add_argument("--test-ngpu", type=int, default=1, help="ranks of the test run (default: %(default)s)")
+    run.add_argument("--baseline-options", default="", help="train.py overrides of the baseline run, one string")
     run.add_argument("--test-options", default="", help="train.py overrides of the test run, one string")
     run.add_argument("--options", default="", help="overrides given to both runs (before the per-run ones)")
     run.add_argument("--steps", type=int, default=10, help="training.steps of both runs (default: %(default)s)")
-    run.add_argument("--seed", type=int, default=None,
-                     help="debug.seed of both runs (default: the recipe's, the same for both)")
-    run.add_argument("--output-folder", default=os.path.join("outputs", "loss_compare"),
-                     help="runs go to OUTPUT/baseline and OUTPUT/test (default: %(default)s)")
-    run.add_argument("--train-script", default=os.path.join(REPO_ROOT, "train.py"),
-                     help="training entry point (default: this repository's train.py)")
-    run.add_argument("--timeout", type=float, default=1800.0,
-                     help="seconds one training run may take (default: %(default)s)")
+    run.add_argument(
+        "--seed", type=int, default=None, help="debug.seed of both runs (default: the recipe's, the same for both)"
+    )
+    run.add_argument(
+        "--output-folder",
+        default=os.path.join("outputs", "loss_compare"),
+        help="runs go to OUTPUT/baseline and OUTPUT/test (default: %(default)s)",
+    )
+    run.add_argument(
+        "--train-script",
+        default=os.path.join(REPO_ROOT, "train.py"),
+        help="training entry point (default: this repository's train.py)",
+    )
+    run.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds one training run may take (default: %(default)s)"
+    )
     run.add_argument("--stream", action="store_true", help="echo the runs' output while they run")
     folders = parser.add_argument_group("folder mode")
     folders.add_argument("--baseline-folder", help="existing dump folder (or TensorBoard folder) of the baseline")
@@ -110,8 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = parser.add_argument_group("comparison")
     check.add_argument("--rtol", type=float, default=1e-4, help="relative tolerance (default: %(default)s)")
     check.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default: %(default)s)")
-    check.add_argument("--tags", default=",".join(DEFAULT_TAGS),
-                       help="comma-separated TensorBoard tags to compare (default: %(default)s)")
+    check.add_argument(
+        "--tags",
+        default=",".join(DEFAULT_TAGS),
+        help="comma-separated TensorBoard tags to compare (default: %(default)s)",
+    )
     return parser
 
 
@@ -120,17 +136,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def train_command(args, ngpu: int, run_options: str, dump_folder: str) -> list[str]:
     forced = [
-        "--training.steps", str(args.steps),
-        "--metrics.log_freq", "1",
-        "--metrics.enable_tensorboard", "true",
-        "--job.dump_folder", dump_folder,
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+        "--job.dump_folder",
+        dump_folder,
     ]
     if args.seed is not None:
         forced += ["--debug.seed", str(args.seed)]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ngpu}",
         args.train_script,
-        "--job.config_file", args.config,
+        "--job.config_file",
+        args.config,
         *shlex.split(args.options),
         *shlex.split(run_options),
         *forced,
@@ -164,8 +189,15 @@ def run_training(name: str, cmd: list[str], dump_folder: str, timeout: float, st
     with open(log_path, "w", encoding="utf-8") as log:
         log.write(f"$ {shlex.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
-                                errors="replace", start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
         copier = threading.Thread(target=_copy_output, args=(proc.stdout, log, name if stream else None), daemon=True)
         copier.start()
         try:
@@ -173,8 +205,9 @@ def run_training(name: str, cmd: list[str], dump_folder: str, timeout: float, st
         except subprocess.TimeoutExpired:
             _kill(proc)
             copier.join(timeout=10)
-            raise Trouble(f"{name} run did not finish within {timeout:.0f} s; last lines of {log_path}:\n"
-                          + _tail(log_path)) from None
+            raise Trouble(
+                f"{name} run did not finish within {timeout:.0f} s; last lines of {log_path}:\n" + _tail(log_path)
+            ) from None
         except KeyboardInterrupt:
             _kill(proc)
             raise
@@ -276,8 +309,10 @@ def compare(baseline: dict, test: dict, tags: list[str], rtol: float, atol: floa
         only_test = sorted(set(test[tag]) - set(baseline[tag]))
         if only_base or only_test:
             ok = False
-            print(f"FAIL: {tag}: the runs logged different steps: only baseline {_steps(only_base)}, "
-                  f"only test {_steps(only_test)}")
+            print(
+                f"FAIL: {tag}: the runs logged different steps: only baseline {_steps(only_base)}, "
+                f"only test {_steps(only_test)}"
+            )
     steps = sorted(set().union(*(set(baseline[t]) & set(test[t]) for t in tags)))
     header = ["step"]
     for tag in tags:
@@ -307,8 +342,10 @@ def compare(baseline: dict, test: dict, tags: list[str], rtol: float, atol: floa
         print(f"max relative difference of {tag}: {worst[tag]:.3e}")
     if failed_steps:
         ok = False
-        print(f"FAIL: {len(failed_steps)} step(s) differ by more than rtol={rtol:g}, atol={atol:g}: "
-              f"{_steps(failed_steps)} (marked !)")
+        print(
+            f"FAIL: {len(failed_steps)} step(s) differ by more than rtol={rtol:g}, atol={atol:g}: "
+            f"{_steps(failed_steps)} (marked !)"
+        )
     if not steps:
         ok = False
         print("FAIL: the runs have no step in common")

@@ -37,8 +37,7 @@ DPI = 100  # the SVG uses the same pixels per panel as the PNG
 MAX_COLUMNS = 3  # beyond this, panels wrap into rows so each stays readable
 FORMATS = ("png", "svg")
 # matplotlib's default cycle (C0, C1, ...), so a run has the same colour in both formats.
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-          "#17becf")
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 # SVG layout, pixels: the legend (and title) band above the panels; inside a panel, the space
 # around its plot area for the tag (top), the tick labels (left, bottom) and the x label.
 LEGEND_PX, TITLE_PX = 28, 24
@@ -60,8 +59,9 @@ def tb_folder(run: str) -> str:
     folders = sorted({os.path.relpath(os.path.dirname(f), folder) for f in event_files(folder)})
     if len(folders) > 1:
         shown = ", ".join(folders[:5]) + (", ..." if len(folders) > 5 else "")
-        raise ValueError(f"{run!r} holds the event files of several runs (in {shown} under {folder!r}); "
-                         "pass each run's own folder")
+        raise ValueError(
+            f"{run!r} holds the event files of several runs (in {shown} under {folder!r}); pass each run's own folder"
+        )
     return folder
 
 
@@ -85,8 +85,10 @@ def load_runs(paths: list[str], labels: list[str] | None = None) -> dict[str, Sc
     seen: dict[str, str] = {}
     for label, path in zip(labels, paths):
         if label in seen:
-            raise ValueError(f"runs {seen[label]!r} and {path!r} would both be labelled {label!r}; "
-                             "pass --labels with one distinct label per run")
+            raise ValueError(
+                f"runs {seen[label]!r} and {path!r} would both be labelled {label!r}; "
+                "pass --labels with one distinct label per run"
+            )
         seen[label] = path
     # read_scalars names the folder when it is missing or holds no event files.
     return {label: read_scalars(tb_folder(path)) for label, path in zip(labels, paths)}
@@ -100,8 +102,9 @@ def default_tags(runs: dict[str, Scalars]) -> list[str]:
     return tags
 
 
-def check_tags(runs: dict[str, Scalars], tags: list[str], allow_missing: bool = False,
-               x_tag: str | None = None) -> None:
+def check_tags(
+    runs: dict[str, Scalars], tags: list[str], allow_missing: bool = False, x_tag: str | None = None
+) -> None:
     """Raise ValueError naming the first (tag, run) pair that cannot be plotted.
 
     With ``allow_missing`` a run may lack a tag (it is left out of that panel) as long as some
@@ -146,13 +149,20 @@ def _matplotlib_figure_class():
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("plotting needs matplotlib, which is not installed: "
-                          "pip install -e .[plot]  (or: pip install matplotlib)") from exc
+        raise ImportError(
+            "plotting needs matplotlib, which is not installed: pip install -e .[plot]  (or: pip install matplotlib)"
+        ) from exc
     return Figure
 
 
-def plot_runs(runs: dict[str, Scalars], tags: list[str], out: str | None = None, allow_missing: bool = False,
-              x_tag: str | None = None, title: str | None = None):
+def plot_runs(
+    runs: dict[str, Scalars],
+    tags: list[str],
+    out: str | None = None,
+    allow_missing: bool = False,
+    x_tag: str | None = None,
+    title: str | None = None,
+):
     """A matplotlib Figure with one panel per tag and one line per run; saved to ``out`` if given.
 
     ``runs`` maps a legend label to that run's ``{tag: {step: value}}`` (``read_scalars``).
@@ -173,17 +183,23 @@ def plot_runs(runs: dict[str, Scalars], tags: list[str], out: str | None = None,
                 continue
             points = curve(scalars, tag, x_tag)
             # A single logged point draws no line segment; a marker keeps it visible.
-            ax.plot([x for x, _ in points], [y for _, y in points], label=label, color=colors[label], linewidth=1.4,
-                    marker="o" if len(points) == 1 else None)
+            ax.plot(
+                [x for x, _ in points],
+                [y for _, y in points],
+                label=label,
+                color=colors[label],
+                linewidth=1.4,
+                marker="o" if len(points) == 1 else None,
+            )
         ax.set_title(tag, fontsize=10)
         ax.set_xlabel(x_label(x_tag))
         ax.grid(True, alpha=0.3)
-    for ax in axes[len(tags):]:  # unused cells of the last row
+    for ax in axes[len(tags) :]:  # unused cells of the last row
         fig.delaxes(ax)
     # One legend for the whole figure, since a run has the same colour in every panel; collected
     # over all panels because with allow_missing no single panel need hold every run.
     legend = {}
-    for ax in axes[:len(tags)]:
+    for ax in axes[: len(tags)]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(label, handle)
     labels = [label for label in runs if label in legend]
@@ -203,8 +219,13 @@ def _data_range(values: list[float]) -> tuple[float, float]:
     return (low - 1.0, high + 1.0) if high == low else (low, high)
 
 
-def svg_figure(runs: dict[str, Scalars], tags: list[str], allow_missing: bool = False, x_tag: str | None = None,
-               title: str | None = None) -> str:
+def svg_figure(
+    runs: dict[str, Scalars],
+    tags: list[str],
+    allow_missing: bool = False,
+    x_tag: str | None = None,
+    title: str | None = None,
+) -> str:
     """The same figure as ``plot_runs`` as SVG text, drawn by hand (no plotting library).
 
     Each panel is a ``<g class="panel" data-tag=TAG>`` whose ``<rect class="plot-area">`` holds
@@ -218,17 +239,24 @@ def svg_figure(runs: dict[str, Scalars], tags: list[str], allow_missing: bool = 
     top = LEGEND_PX + (TITLE_PX if title else 0)
     width, height = columns * panel_w, top + rows * panel_h
     colors = {label: COLORS[i % len(COLORS)] for i, label in enumerate(runs)}
-    parts = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-              f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="11">'),
-             '<rect width="100%" height="100%" fill="white"/>']
+    parts = [
+        (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+            f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="11">'
+        ),
+        '<rect width="100%" height="100%" fill="white"/>',
+    ]
     if title:
-        parts.append(f'<text class="title" x="{width / 2:.1f}" y="17" text-anchor="middle" font-size="14">'
-                     f"{escape(title)}</text>")
+        parts.append(
+            f'<text class="title" x="{width / 2:.1f}" y="17" text-anchor="middle" font-size="14">{escape(title)}</text>'
+        )
     drawn = [label for label in runs if any(tag in runs[label] for tag in tags)]
     for i, label in enumerate(drawn):  # the legend: one colour per run, the same in every panel
         x, y = 12 + i * (width - 24) / len(drawn), top - LEGEND_PX / 2
-        parts.append(f'<line x1="{x:.1f}" x2="{x + 22:.1f}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colors[label]}" '
-                     'stroke-width="2"/>')
+        parts.append(
+            f'<line x1="{x:.1f}" x2="{x + 22:.1f}" y1="{y:.1f}" y2="{y:.1f}" stroke="{colors[label]}" '
+            'stroke-width="2"/>'
+        )
         parts.append(f'<text class="legend" x="{x + 28:.1f}" y="{y + 4:.1f}">{escape(label)}</text>')
     for index, tag in enumerate(tags):
         left, upper = (index % columns) * panel_w, top + (index // columns) * panel_h
@@ -238,8 +266,16 @@ def svg_figure(runs: dict[str, Scalars], tags: list[str], allow_missing: bool = 
     return "\n".join(parts) + "\n"
 
 
-def _svg_panel(tag: str, curves: dict[str, list[tuple[float, float]]], colors: dict[str, str], left: float,
-               upper: float, panel_w: float, panel_h: float, xlabel: str) -> list[str]:
+def _svg_panel(
+    tag: str,
+    curves: dict[str, list[tuple[float, float]]],
+    colors: dict[str, str],
+    left: float,
+    upper: float,
+    panel_w: float,
+    panel_h: float,
+    xlabel: str,
+) -> list[str]:
     x_low, x_high = _data_range([x for points in curves.values() for x, _ in points])
     y_min, y_max = _data_range([y for points in curves.values() for _, y in points])
     # 5 % of air above and below the curves; the ticks mark the data's own range.
@@ -253,27 +289,39 @@ def _svg_panel(tag: str, curves: dict[str, list[tuple[float, float]]], colors: d
     def py(y: float) -> float:
         return area_y + area_h - (y - y_low) / (y_high - y_low) * area_h
 
-    parts = [f"<g class=\"panel\" data-tag={quoteattr(tag)}>",
-             (f'<text class="panel-title" x="{area_x + area_w / 2:.1f}" y="{upper + 18:.1f}" '
-              f'text-anchor="middle">{escape(tag)}</text>')]
+    parts = [
+        f'<g class="panel" data-tag={quoteattr(tag)}>',
+        (
+            f'<text class="panel-title" x="{area_x + area_w / 2:.1f}" y="{upper + 18:.1f}" '
+            f'text-anchor="middle">{escape(tag)}</text>'
+        ),
+    ]
     for i in range(TICKS):
         y = y_min + (y_max - y_min) * i / (TICKS - 1)
-        parts.append(f'<line x1="{area_x:.1f}" x2="{area_x + area_w:.1f}" y1="{py(y):.2f}" y2="{py(y):.2f}" '
-                     'stroke="#e4e4e4"/>')
+        parts.append(
+            f'<line x1="{area_x:.1f}" x2="{area_x + area_w:.1f}" y1="{py(y):.2f}" y2="{py(y):.2f}" stroke="#e4e4e4"/>'
+        )
         parts.append(f'<text class="y-tick" x="{area_x - 5:.1f}" y="{py(y) + 4:.2f}" text-anchor="end">{y:.4g}</text>')
         x = x_low + (x_high - x_low) * i / (TICKS - 1)
-        parts.append(f'<text class="x-tick" x="{px(x):.2f}" y="{area_y + area_h + 15:.1f}" text-anchor="middle">'
-                     f"{x:.4g}</text>")
-    parts.append(f'<rect class="plot-area" x="{area_x:.1f}" y="{area_y:.1f}" width="{area_w:.1f}" '
-                 f'height="{area_h:.1f}" fill="none" stroke="#444"/>')
-    parts.append(f'<text class="x-label" x="{area_x + area_w / 2:.1f}" y="{upper + panel_h - 8:.1f}" '
-                 f'text-anchor="middle">{escape(xlabel)}</text>')
+        parts.append(
+            f'<text class="x-tick" x="{px(x):.2f}" y="{area_y + area_h + 15:.1f}" text-anchor="middle">{x:.4g}</text>'
+        )
+    parts.append(
+        f'<rect class="plot-area" x="{area_x:.1f}" y="{area_y:.1f}" width="{area_w:.1f}" '
+        f'height="{area_h:.1f}" fill="none" stroke="#444"/>'
+    )
+    parts.append(
+        f'<text class="x-label" x="{area_x + area_w / 2:.1f}" y="{upper + panel_h - 8:.1f}" '
+        f'text-anchor="middle">{escape(xlabel)}</text>'
+    )
     for label, points in curves.items():
         path = " ".join(f"{px(x):.2f},{py(y):.2f}" for x, y in points)
-        parts.append(f'<polyline class="curve" data-run={quoteattr(label)} points="{path}" fill="none" '
-                     f'stroke="{colors[label]}" stroke-width="1.6"/>')
+        parts.append(
+            f'<polyline class="curve" data-run={quoteattr(label)} points="{path}" fill="none" '
+            f'stroke="{colors[label]}" stroke-width="1.6"/>'
+        )
         if len(points) == 1:  # a single point draws no segment
-            (x, y), = points
+            ((x, y),) = points
             parts.append(f'<circle cx="{px(x):.2f}" cy="{py(y):.2f}" r="3" fill="{colors[label]}"/>')
     parts.append("</g>")
     return parts
@@ -284,16 +332,24 @@ def output_format(out: str, fmt: str | None) -> str:
     extension = os.path.splitext(out)[1].lower().lstrip(".")
     if fmt is None:
         if extension not in FORMATS:
-            raise ValueError(f"--out {out!r}: cannot tell the format from the extension; use .png or .svg, or "
-                             "give --format")
+            raise ValueError(
+                f"--out {out!r}: cannot tell the format from the extension; use .png or .svg, or give --format"
+            )
         return extension
     if extension != fmt:
         raise ValueError(f"--out {out!r} does not end in .{fmt} (--format {fmt})")
     return fmt
 
 
-def write_figure(runs: dict[str, Scalars], tags: list[str], out: str, fmt: str, allow_missing: bool = False,
-                 x_tag: str | None = None, title: str | None = None) -> None:
+def write_figure(
+    runs: dict[str, Scalars],
+    tags: list[str],
+    out: str,
+    fmt: str,
+    allow_missing: bool = False,
+    x_tag: str | None = None,
+    title: str | None = None,
+) -> None:
     """Write the figure to ``out`` as ``fmt`` (``png`` or ``svg``), making its folder if needed."""
     if fmt == "png":
         plot_runs(runs, tags, out, allow_missing, x_tag, title)
@@ -307,13 +363,20 @@ def write_figure(runs: dict[str, Scalars], tags: list[str], out: str, fmt: str, 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="dump folders (their tb/ is read) or TensorBoard folders")
-    parser.add_argument("--tags", nargs="+", help=f"scalars to plot, one panel each (default: {LOSS_TAG} "
-                        f"{GRAD_NORM_TAG}, plus {REWARD_TAG} if any run has it)")
+    parser.add_argument(
+        "--tags",
+        nargs="+",
+        help=f"scalars to plot, one panel each (default: {LOSS_TAG} "
+        f"{GRAD_NORM_TAG}, plus {REWARD_TAG} if any run has it)",
+    )
     parser.add_argument("--labels", nargs="+", help="legend labels, one per run (default: the folder names)")
     parser.add_argument("--x-tag", help="x = the running sum of this scalar (e.g. time/step_s) instead of the step")
     parser.add_argument("--title", help="a title above the panels")
-    parser.add_argument("--format", choices=FORMATS, help="svg (no dependency) or png (matplotlib); "
-                        "default: the extension of --out, else png")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="svg (no dependency) or png (matplotlib); default: the extension of --out, else png",
+    )
     parser.add_argument("--out", help="image to write (default: runs.png, or runs.svg with --format svg)")
     args = parser.parse_args(argv)
     out = args.out or f"runs.{args.format or 'png'}"

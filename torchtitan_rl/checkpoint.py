@@ -133,7 +133,9 @@ def check_model_args(description: dict[str, Any], args, path: str) -> None:
     # Checkpoints written before the registry hold Qwen3 models and name no family.
     saved_name, name = description.get("model_name", "qwen3"), spec_for_args(args).name
     if saved_name != name:
-        raise ValueError(f"checkpoint {path} holds a {saved_name!r} model, this run builds model.name={name!r} (according to {file})")
+        raise ValueError(
+            f"checkpoint {path} holds a {saved_name!r} model, this run builds model.name={name!r} (according to {file})"
+        )
     try:
         saved = type(args).from_dict(description["model_args"])
     except (KeyError, TypeError, ValueError) as err:
@@ -141,7 +143,9 @@ def check_model_args(description: dict[str, Any], args, path: str) -> None:
     diffs = architecture_differences(saved, args)
     if diffs:
         listed = ", ".join(f"{name}={theirs!r} (this run: {ours!r})" for name, theirs, ours in diffs)
-        raise ValueError(f"checkpoint {path} holds another model (from another model.flavor?): {listed} according to {file}")
+        raise ValueError(
+            f"checkpoint {path} holds another model (from another model.flavor?): {listed} according to {file}"
+        )
 
 
 def check_dcp_files(path: str) -> None:

@@ -17,8 +17,8 @@ from torchtitan_rl.data.cp_split import shard_microbatch
 from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, plan_microbatches
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
-from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
@@ -141,7 +141,9 @@ class Engine:
                 )
             except ValueError as err:
                 problem = str(err)
-        num_groups = 1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs and problem is None else 0
+        num_groups = (
+            1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs and problem is None else 0
+        )
         num_microbatches, num_groups, failed, max_samples = host_max(
             [len(plan), num_groups, int(problem is not None), len(samples)], dims.mesh("batch")
         )
@@ -233,8 +235,13 @@ class Engine:
                 # The loss and its gradient with respect to the hidden states and output weight,
                 # chunk by chunk; backward through the model starts from there.
                 value, logprobs, entropy = token_loss(
-                    hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size, loss_of_chunk,
-                    with_entropy=loss.needs_entropy, entropy_grad=loss.options["entropy_coef"] != 0,
+                    hidden,
+                    self.model.output.weight,
+                    mb.labels,
+                    self.options.logits_chunk_size,
+                    loss_of_chunk,
+                    with_entropy=loss.needs_entropy,
+                    entropy_grad=loss.options["entropy_coef"] != 0,
                     **self._logprob_options(),
                 )
             terms = token_terms(loss, logprobs, entropy, mb)  # detached: for metrics
@@ -276,27 +283,39 @@ class Engine:
             if config.aux_loss_scope == "global":
                 if expert_counts is None:
                     expert_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("world"))
-                aux = balance_loss(expert_counts[None], stats.prob_sums.sum(1)[None], num_tokens[None], one,
-                                   config.aux_loss_layers)
+                aux = balance_loss(
+                    expert_counts[None], stats.prob_sums.sum(1)[None], num_tokens[None], one, config.aux_loss_layers
+                )
             elif config.aux_loss_scope == "sequence":
                 # A sequence's tokens are spread over its CP / TP peers only.
                 seq_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp")).transpose(0, 1)
                 seq_tokens = torch.zeros(mb.num_seqs, device=self.device)
                 seq_tokens[: len(mb.seq_lens)] = torch.tensor(mb.seq_lens, dtype=torch.float32)
                 weights = torch.ones(mb.num_seqs, device=self.device) / counts[NUM_SEQS].clamp(min=1)
-                aux = balance_loss(seq_counts, stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers)
+                aux = balance_loss(
+                    seq_counts, stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers
+                )
             else:
                 mb_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("cp_tp"))
                 mb_tokens = torch.tensor([float(sum(mb.seq_lens))], device=self.device)
-                aux = balance_loss(mb_counts[None], stats.prob_sums.sum(1)[None], mb_tokens,
-                                   one / counts[NUM_MICROBATCHES].clamp(min=1), config.aux_loss_layers)
+                aux = balance_loss(
+                    mb_counts[None],
+                    stats.prob_sums.sum(1)[None],
+                    mb_tokens,
+                    one / counts[NUM_MICROBATCHES].clamp(min=1),
+                    config.aux_loss_layers,
+                )
         z = z_loss(stats.z_sums, num_tokens) if config.z_loss_coef > 0 else torch.zeros((), device=self.device)
         return aux, z
 
-    def _add_router_metrics(self, metrics: "RouterMetrics | None", stats, aux: torch.Tensor, z: torch.Tensor) -> RouterMetrics:
+    def _add_router_metrics(
+        self, metrics: "RouterMetrics | None", stats, aux: torch.Tensor, z: torch.Tensor
+    ) -> RouterMetrics:
         counts = stats.counts.sum(1)
         if metrics is None:
-            return RouterMetrics(aux.detach(), z.detach(), counts, tuple(self.model.args.moe_layers), self.options.router)
+            return RouterMetrics(
+                aux.detach(), z.detach(), counts, tuple(self.model.args.moe_layers), self.options.router
+            )
         metrics.aux_loss = metrics.aux_loss + aux.detach()
         metrics.z_loss = metrics.z_loss + z.detach()
         metrics.counts = metrics.counts + counts
@@ -313,8 +332,12 @@ class Engine:
             with self._autocast():
                 hidden, _ = self._hidden(mb)
                 mb_logprobs, mb_entropy = token_logprobs(
-                    hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size,
-                    with_entropy=with_entropy, **self._logprob_options(),
+                    hidden,
+                    self.model.output.weight,
+                    mb.labels,
+                    self.options.logits_chunk_size,
+                    with_entropy=with_entropy,
+                    **self._logprob_options(),
                 )
             per_token = torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1)
             if mb.is_padding:

@@ -18,10 +18,9 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-
-from torch import nn
 
 from torchtitan_rl.compat import local_shard_bounds
 from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
@@ -192,7 +191,7 @@ def _sharded_tensor_files(path: str, index_path: str) -> dict[str, str]:
     index = _read_json(index_path)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-        raise ValueError(f"{index_path!r} has no \"weight_map\" object mapping tensor names to shard files")
+        raise ValueError(f'{index_path!r} has no "weight_map" object mapping tensor names to shard files')
     for shard in sorted(set(weight_map.values())):
         if not os.path.isfile(os.path.join(path, shard)):
             raise ValueError(f"{index_path!r} lists shard file {shard!r}, which is missing from {path!r}")

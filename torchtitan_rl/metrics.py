@@ -14,8 +14,16 @@ from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
 logger = logging.getLogger(__name__)
 
 # The rl/* values the stdout line shows (all of them go to TensorBoard).
-_STDOUT_RL = ("reward_mean", "pass@1", "response_length_mean", "pg_loss", "kl", "entropy", "clipfrac",
-              "logprob_diff_max")
+_STDOUT_RL = (
+    "reward_mean",
+    "pass@1",
+    "response_length_mean",
+    "pg_loss",
+    "kl",
+    "entropy",
+    "clipfrac",
+    "logprob_diff_max",
+)
 
 # Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -195,4 +203,3 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-

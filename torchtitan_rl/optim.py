@@ -6,12 +6,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach")
 
 
 def build_optimizer(
-    model: nn.Module, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    model: nn.Module,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
     implementation: str = "auto",
 ) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (frozen ones get no state), one parameter group
@@ -33,7 +37,11 @@ def build_optimizer(
     kernel = "foreach" if implementation == "foreach" else "fused"
     return torch.optim.AdamW(
         [{"params": params} for params in groups.values()],
-        lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay, **{kernel: True},
+        lr=lr,
+        betas=(beta1, beta2),
+        eps=eps,
+        weight_decay=weight_decay,
+        **{kernel: True},
     )
 
 
@@ -56,7 +64,9 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int, decay_type: str, m
     return min_lr_factor + (1.0 - min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_type: str, min_lr_factor: float):
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: int, decay_type: str, min_lr_factor: float
+):
     # LambdaLR evaluates the factor for its internal counter, which starts at 0 for the
     # first optimizer step; our schedule is written in 1-based steps.
     return torch.optim.lr_scheduler.LambdaLR(

@@ -73,8 +73,9 @@ class MemoryProfiler:
 
     @contextlib.contextmanager
     def _record_cuda(self, path: str) -> Iterator[None]:
-        if not self._try("start recording", path, torch.cuda.memory._record_memory_history,
-                         max_entries=self.max_entries):
+        if not self._try(
+            "start recording", path, torch.cuda.memory._record_memory_history, max_entries=self.max_entries
+        ):
             yield
             return
         try:
@@ -103,8 +104,9 @@ class MemoryProfiler:
         try:
             fn(*args, **kwargs)
         except Exception as err:  # profiling must never end the run, whatever torch raises
-            logger.warning("rank %d: could not %s memory profile %s: %s: %s", self.rank, action, path,
-                           type(err).__name__, err)
+            logger.warning(
+                "rank %d: could not %s memory profile %s: %s: %s", self.rank, action, path, type(err).__name__, err
+            )
             return False
         return True
 

@@ -21,8 +21,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _launch_once(world_size: int, out_path: str) -> str | None:
     """Run the worker; None on success, else the failure's telling lines (full log beside OUT)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-           os.path.join(HERE, "layout_worker.py"), out_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world_size}",
+        os.path.join(HERE, "layout_worker.py"),
+        out_path,
+    ]
     proc = subprocess.run(cmd, cwd=HERE, env=launch_env(), capture_output=True, text=True, timeout=600)
     if proc.returncode == 0:
         return None
@@ -30,8 +37,11 @@ def _launch_once(world_size: int, out_path: str) -> str | None:
     with open(log, "w") as f:
         f.write(proc.stdout + proc.stderr)
     # The first failing rank's own message is usually far above the tail.
-    causes = [line for line in (proc.stdout + proc.stderr).splitlines()
-              if any(word in line for word in ("Error", "terminate", "abort", "what()", "exitcode", "malloc"))]
+    causes = [
+        line
+        for line in (proc.stdout + proc.stderr).splitlines()
+        if any(word in line for word in ("Error", "terminate", "abort", "what()", "exitcode", "malloc"))
+    ]
     return f"{world_size}-rank launch failed (full log: {log}):\n" + "\n".join(causes[:40])
 
 
@@ -44,7 +54,7 @@ def launch(world_size: int, out_path: str) -> dict:
         # shutdown) is gone since the worker ends with shutdown_distributed; the heap corruption
         # was never reproduced, so the retry stays for it. A real bug fails twice; a rerun that
         # passes is still reported.
-        warnings.warn(f"retrying after a failed launch: {failure}")
+        warnings.warn(f"retrying after a failed launch: {failure}", stacklevel=2)
         failure = _launch_once(world_size, out_path)
         assert failure is None, failure
     return torch.load(out_path, weights_only=False)

@@ -17,8 +17,8 @@ from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 
 # (dp_replicate, dp_shard, cp, tp): FSDP, FSDP + TP, HSDP, TP.
 GENERATOR_LAYOUTS = ((1, 2, 1, 1), (1, 2, 1, 2), (2, 2, 1, 1), (1, 1, 1, 2))
@@ -54,8 +54,9 @@ def share(items: list, dims: ParallelDims) -> list:
 def completion_samples(rollouts) -> list[Sample]:
     """prompt + completion, with the completion as the loss tokens."""
     return [
-        Sample.from_tokens(r.prompt_tokens + r.completion_tokens,
-                           [False] * len(r.prompt_tokens) + [True] * len(r.completion_tokens))
+        Sample.from_tokens(
+            r.prompt_tokens + r.completion_tokens, [False] * len(r.prompt_tokens) + [True] * len(r.completion_tokens)
+        )
         for r in rollouts
     ]
 
@@ -90,8 +91,17 @@ def run_generator_checks(dims: ParallelDims, results: dict) -> None:
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     # One micro-batch per rank (budget 0): the fewest passes.
-    options = EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=0, logits_chunk_size=16, max_norm=0.0, temperature=TEMPERATURE)
-    engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
+    options = EngineOptions(
+        reduction="token_mean",
+        horizon=lc.HORIZON,
+        max_tokens_per_microbatch=0,
+        logits_chunk_size=16,
+        max_norm=0.0,
+        temperature=TEMPERATURE,
+    )
+    engine = Engine(
+        model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+    )
     engine.forward_backward(share(lc.global_batch("uneven"), dims))
     engine.optim_step()
 

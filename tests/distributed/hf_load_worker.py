@@ -54,7 +54,9 @@ def main(checkpoints: str, out: str) -> None:
         path = os.path.join(checkpoints, checkpoint)
         dims = ParallelDims(*layout, world_size=world_size)
         dims.build_meshes("cpu")
-        model = build_model(read_hf_model_args(path), parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32)
+        model = build_model(
+            read_hf_model_args(path), parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32
+        )
         gather_root(model)
         load_hf_weights(model, path)
         loaded[case] = to_hf({fqn: full(p) for fqn, p in model.named_parameters()})

@@ -26,8 +26,16 @@ VOCAB = 64
 def model_args(tie_embeddings: bool = False, attn_backend: str = "sdpa_dense") -> Qwen3ModelArgs:
     # Heads, KV heads (GQA 2:1), hidden units and vocabulary all divide by tp = 4.
     return Qwen3ModelArgs(
-        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=48,
-        tie_embeddings=tie_embeddings, max_seq_len=64, attn_backend=attn_backend,
+        vocab_size=VOCAB,
+        dim=32,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=8,
+        hidden_dim=48,
+        tie_embeddings=tie_embeddings,
+        max_seq_len=64,
+        attn_backend=attn_backend,
     )
 
 
@@ -74,8 +82,14 @@ def global_batch(variant: str) -> list[Sample]:
 RL_GROUPS = (0, 1, 1, 1, 1, 2, 2, 3)
 RL_ZERO_ADVANTAGE = 6
 RL_LOSS_FNS = {
-    "ppo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 1.5, "kl_coef": 0.5, "kl_estimator": "k3",
-            "entropy_coef": 0.5},
+    "ppo": {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dual_clip_c": 1.5,
+        "kl_coef": 0.5,
+        "kl_estimator": "k3",
+        "entropy_coef": 0.5,
+    },
     "cispo": {"clip_low": 0.3, "clip_high": 0.2, "kl_coef": 0.5, "kl_estimator": "low_var_kl", "entropy_coef": 0.5},
     "importance_sampling": {"kl_coef": 0.5, "kl_estimator": "k2", "entropy_coef": 0.5},
 }
@@ -106,8 +120,17 @@ def layouts(world_size: int) -> list[tuple[int, int, int, int]]:
     return {
         1: [(1, 1, 1, 1)],
         2: [(1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1)],
-        4: [(1, 4, 1, 1), (2, 2, 1, 1), (4, 1, 1, 1), (1, 2, 1, 2), (1, 1, 1, 4),
-            (1, 1, 4, 1), (1, 2, 2, 1), (1, 1, 2, 2), (2, 1, 2, 1)],
+        4: [
+            (1, 4, 1, 1),
+            (2, 2, 1, 1),
+            (4, 1, 1, 1),
+            (1, 2, 1, 2),
+            (1, 1, 1, 4),
+            (1, 1, 4, 1),
+            (1, 2, 2, 1),
+            (1, 1, 2, 2),
+            (2, 1, 2, 1),
+        ],
         8: [(2, 2, 1, 2), (1, 2, 2, 2)],
     }[world_size]
 

@@ -6,15 +6,14 @@ Rank 0 writes {case name: results} to OUT.pt; the pytest driver compares it to r
 
 import sys
 
-import layout_cases as lc
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import layout_cases as lc
 from generator_cases import run_generator_checks
 from moe_cases import run_moe_checks
 from rl_cases import run_rollout_exchange_checks
-from torch.distributed.tensor import DTensor
-from vlm_cases import run_vlm_checks
-
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -31,6 +30,7 @@ from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import cp_attention_context, packed_attention
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import build_model
+from vlm_cases import run_vlm_checks
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -59,12 +59,33 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
     metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     if not tie:
         # Log-probs and entropies of this rank's share (rank 0's is saved), before any step moves the weights.
-        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=24, logits_chunk_size=16, max_norm=0.0))
+        engine = Engine(
+            model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            parallel_dims=dims,
+            device=device,
+            options=EngineOptions(
+                reduction="token_mean",
+                horizon=lc.HORIZON,
+                max_tokens_per_microbatch=24,
+                logits_chunk_size=16,
+                max_norm=0.0,
+            ),
+        )
         out = engine.forward(share(lc.global_batch("uneven"), dims), with_entropy=True)
         results[f"{prefix}/forward"] = {"logprobs": out.logprobs, "entropies": out.entropies}
     for loss_fn, mode, budget, variants, step in cases:
-        options = EngineOptions(reduction=mode, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0)
-        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
+        options = EngineOptions(
+            reduction=mode,
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=budget,
+            logits_chunk_size=16,
+            max_norm=lc.MAX_NORM if step else 0.0,
+        )
+        engine = Engine(
+            model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+        )
         for variant in variants:
             fb = engine.forward_backward(share(lc.global_batch(variant), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
         grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
@@ -74,7 +95,15 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
             optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
             model.zero_grad(set_to_none=True)
         # Window tokens of the loss-token count over 1 s: throughput must come out as that / world size.
-        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[NUM_LOSS_TOKENS], window_squared_lens=fb.counts[NUM_LOSS_TOKENS], window_seconds=1.0, data_stats={})
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[NUM_LOSS_TOKENS],
+            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+            window_seconds=1.0,
+            data_stats={},
+        )
         entry = {"grads": grads, "logged": logged}
         if step:
             entry["params"] = {fqn: full(p) for fqn, p in model.named_parameters()}
@@ -101,7 +130,9 @@ COMPOSITE_CASES = [case for case in CASES if case[2] == 24]
 # Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS.
 RL_CASES = [
     (loss_fn, mode, budget, ("rl",), False)
-    for loss_fn in lc.RL_LOSS_FNS for mode in REDUCTION_MODES for budget in lc.RL_BUDGETS
+    for loss_fn in lc.RL_LOSS_FNS
+    for mode in REDUCTION_MODES
+    for budget in lc.RL_BUDGETS
 ]
 
 
@@ -116,13 +147,19 @@ def run_logprobs(tp_mesh, results: dict) -> None:
             hidden = hidden_full.chunk(tp)[rank].clone().requires_grad_()  # sequence-parallel shard
             weight = weight_full.chunk(tp)[rank].clone().requires_grad_()  # vocabulary shard
             loss, logprobs, entropy = token_loss(
-                hidden, weight, labels, chunk,
+                hidden,
+                weight,
+                labels,
+                chunk,
                 lambda start, end, lp, ent: (lp * token_scale[start:end]).sum().add(ent.sum()),
-                tp_mesh, loss_parallel, with_entropy=True,
+                tp_mesh,
+                loss_parallel,
+                with_entropy=True,
             )
             loss.backward()
             results[f"tp{tp}/logprobs/parallel{int(loss_parallel)}/chunk{chunk}"] = {
-                "logprobs": logprobs.detach(), "entropy": entropy.detach(),
+                "logprobs": logprobs.detach(),
+                "entropy": entropy.detach(),
                 "grad_hidden": all_gather_autograd(hidden.grad, tp_mesh).clone(),  # clone waits
                 "grad_weight": all_gather_autograd(weight.grad, tp_mesh).clone(),
             }
@@ -151,17 +188,38 @@ def run_bad_inputs(dims: ParallelDims, results: dict) -> None:
     process group is still in step.
     """
     device = torch.device("cpu")
-    model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
-    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction="prompt_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=24, logits_chunk_size=16, max_norm=0.0))
+    model = build_model(
+        lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32
+    )
+    engine = Engine(
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        parallel_dims=dims,
+        device=device,
+        options=EngineOptions(
+            reduction="prompt_mean",
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=24,
+            logits_chunk_size=16,
+            max_norm=0.0,
+        ),
+    )
     rank = dims.batch_rank()
     cases = {
         "no_advantages": lambda s: setattr(s[0], "advantages", None),
         "nan_sampler_logprobs": lambda s: s[1].sampler_logprobs.__setitem__(2, float("nan")),
         "group_id_out_of_range": lambda s: setattr(s[0], "group_id", 10**6),
-        "too_long_for_budget": lambda s: s.append(Sample(
-            input_ids=torch.zeros(30, dtype=torch.long), labels=torch.zeros(30, dtype=torch.long),
-            loss_mask=torch.ones(30, dtype=torch.bool), advantages=torch.zeros(30), sampler_logprobs=torch.zeros(30),
-            group_id=0)),
+        "too_long_for_budget": lambda s: s.append(
+            Sample(
+                input_ids=torch.zeros(30, dtype=torch.long),
+                labels=torch.zeros(30, dtype=torch.long),
+                loss_mask=torch.ones(30, dtype=torch.bool),
+                advantages=torch.zeros(30),
+                sampler_logprobs=torch.zeros(30),
+                group_id=0,
+            )
+        ),
     }
     for name, spoil in cases.items():
         samples = share(lc.global_batch("rl"), dims)
@@ -211,13 +269,21 @@ def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
     device = torch.device("cpu")
     for mode, every in (("full", 1), ("selective", 2)):
         model = build_model(
-            lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32,
-            ac_mode=mode, ac_every=every,
+            lc.model_args(False),
+            parallel_dims=dims,
+            device=device,
+            seed=lc.SEED,
+            param_dtype=torch.float32,
+            ac_mode=mode,
+            ac_every=every,
         )
         runs = count_forwards(model)
         _, mode_name, budget, _, _ = AC_CASE
         options = EngineOptions(
-            reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16,
+            reduction=mode_name,
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=budget,
+            logits_chunk_size=16,
             max_norm=0.0,
         )
         engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
@@ -241,11 +307,33 @@ def run_compile(dims: ParallelDims, results: dict) -> None:
     if layout not in COMPILE_LAYOUTS:
         return
     device = torch.device("cpu")
-    model = build_model(lc.model_args(False), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, compile_backend="aot_eager")
+    model = build_model(
+        lc.model_args(False),
+        parallel_dims=dims,
+        device=device,
+        seed=lc.SEED,
+        param_dtype=torch.float32,
+        compile_backend="aot_eager",
+    )
     _, mode_name, budget, variants, _ = AC_CASE
-    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=EngineOptions(reduction=mode_name, horizon=lc.HORIZON, max_tokens_per_microbatch=budget, logits_chunk_size=16, max_norm=0.0))
+    engine = Engine(
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        parallel_dims=dims,
+        device=device,
+        options=EngineOptions(
+            reduction=mode_name,
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=budget,
+            logits_chunk_size=16,
+            max_norm=0.0,
+        ),
+    )
     engine.forward_backward(share(lc.global_batch(variants[0]), dims))
-    results["compile/rep{}_shard{}_cp{}_tp{}".format(*layout)] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+    results["compile/rep{}_shard{}_cp{}_tp{}".format(*layout)] = {
+        fqn: full(p.grad) for fqn, p in model.named_parameters()
+    }
 
 
 def run_all_layouts(world_size: int) -> dict:

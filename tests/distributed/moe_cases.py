@@ -30,9 +30,13 @@ MOE_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 2,
 # 2 and 1, so one of them runs a filler micro-batch.
 BUDGET = 40
 ROUTER_CONFIGS = {
-    "global_pooled": RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="global", aux_loss_layers="pooled", z_loss_coef=0.01),
+    "global_pooled": RouterLossConfig(
+        aux_loss_coef=0.3, aux_loss_scope="global", aux_loss_layers="pooled", z_loss_coef=0.01
+    ),
     "global_sum": RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="global", aux_loss_layers="sum"),
-    "sequence_pooled": RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="sequence", aux_loss_layers="pooled", z_loss_coef=0.01),
+    "sequence_pooled": RouterLossConfig(
+        aux_loss_coef=0.3, aux_loss_scope="sequence", aux_loss_layers="pooled", z_loss_coef=0.01
+    ),
 }
 # The aux-only objective: the token loss contributes nothing (no loss tokens), so the gradient
 # is the router loss's alone.
@@ -45,8 +49,13 @@ ROUTER_STD = 1.0  # HF's init std of 0.02 leaves top-k near-ties that float nois
 
 def model_args() -> Qwen3ModelArgs:
     return dataclasses.replace(
-        lc.model_args(False), n_layers=3, num_experts=4, num_experts_per_tok=2, moe_hidden_dim=16,
-        mlp_only_layers=(0,), experts_impl="grouped_mm",
+        lc.model_args(False),
+        n_layers=3,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_hidden_dim=16,
+        mlp_only_layers=(0,),
+        experts_impl="grouped_mm",
     )
 
 
@@ -89,12 +98,29 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
         # 3 micro-batches on every layout without data parallel), whatever CP / TP split them.
         cases.append((MICROBATCH, MICROBATCH_CONFIG, "uneven"))
     for name, config, variant in cases:
-        options = EngineOptions(reduction="token_mean", horizon=lc.HORIZON, max_tokens_per_microbatch=BUDGET, logits_chunk_size=16, max_norm=0.0, router=config)
-        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
+        options = EngineOptions(
+            reduction="token_mean",
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=BUDGET,
+            logits_chunk_size=16,
+            max_norm=0.0,
+            router=config,
+        )
+        engine = Engine(
+            model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+        )
         samples = lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
         fb = engine.forward_backward(samples)
         grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         model.zero_grad(set_to_none=True)
-        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[0], window_squared_lens=fb.counts[0], window_seconds=1.0, data_stats={})
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[0],
+            window_squared_lens=fb.counts[0],
+            window_seconds=1.0,
+            data_stats={},
+        )
         results[case_key(layout, name)] = {"grads": grads, "logged": logged}

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import layout_cases as lc
 from generator_cases import prompts
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.recipes.base import build_model
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import exchange_among_peers, generate_share, rank_prompt_slots
-from torchtitan_rl.recipes.base import build_model
 
 # (dp_replicate, dp_shard, cp, tp): TP peers, CP peers, and CP peers alone.
 EXCHANGE_LAYOUTS = ((1, 2, 1, 2), (1, 2, 2, 1), (1, 1, 2, 1))
@@ -43,8 +43,11 @@ def run_rollout_exchange_checks(dims: ParallelDims, results: dict) -> None:
     generator = TorchGenerator(args, torch.device("cpu"), max_prompts_per_batch=MAX_PROMPTS_PER_BATCH)
     generator.update_weights(model)
     step_prompts = prompts()
-    slots = [s for mb in rank_prompt_slots(len(step_prompts), NUM_MINIBATCHES, dims.batch_rank(), dims.batch_degree)
-             for s in mb]
+    slots = [
+        s
+        for mb in rank_prompt_slots(len(step_prompts), NUM_MINIBATCHES, dims.batch_rank(), dims.batch_degree)
+        for s in mb
+    ]
     peer_mesh = dims.mesh("cp_tp")
     local = generate_share(generator, step_prompts, slots, NUM_SAMPLES, PARAMS, SEED, STEP, peer_mesh)
     rollouts = exchange_among_peers(local, peer_mesh)

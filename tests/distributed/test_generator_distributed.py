@@ -43,7 +43,9 @@ def single_process_rollouts(weights: dict) -> list:
     """All prompts generated in this process by a generator loaded with ``weights``."""
     model = Qwen3Model(lc.model_args(False))
     model.load_state_dict(weights)
-    generator = TorchGenerator(lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=gc.MAX_PROMPTS_PER_BATCH)
+    generator = TorchGenerator(
+        lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=gc.MAX_PROMPTS_PER_BATCH
+    )
     generator.update_weights(model)
     with one_thread():
         indices = list(range(len(gc.PROMPT_LENS)))
@@ -61,7 +63,9 @@ def test_update_weights_copies_the_full_trained_weights(results, layout):
     entry = recorded(results, layout)
     assert_equal_weights(entry["replica"], entry["trained"])
     # One gather per sharded parameter, no more.
-    assert entry["gathers"]["dtensor_params"] == len(entry["trained"]) and entry["gathers"]["calls"] == len(entry["trained"])
+    assert entry["gathers"]["dtensor_params"] == len(entry["trained"]) and entry["gathers"]["calls"] == len(
+        entry["trained"]
+    )
     # The step really moved the weights away from the init.
     init = Qwen3Model(lc.model_args(False))
     init.init_weights(lc.SEED)
@@ -104,7 +108,12 @@ def test_rollouts_are_the_same_on_every_layout(results):
     for other in others:
         assert other.keys() == first.keys()
         for key, rollout in first.items():
-            assert (other[key].completion_tokens, other[key].stop_reason) == (rollout.completion_tokens, rollout.stop_reason)
-            torch.testing.assert_close(torch.tensor(other[key].logprobs), torch.tensor(rollout.logprobs), rtol=0, atol=1e-5)
+            assert (other[key].completion_tokens, other[key].stop_reason) == (
+                rollout.completion_tokens,
+                rollout.stop_reason,
+            )
+            torch.testing.assert_close(
+                torch.tensor(other[key].logprobs), torch.tensor(rollout.logprobs), rtol=0, atol=1e-5
+            )
     # Not degenerate: samples of one prompt differ, and the prompts' very different lengths were used.
     assert len({tuple(r.completion_tokens) for r in first.values()}) == len(first)

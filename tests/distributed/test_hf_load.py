@@ -25,16 +25,47 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MODELS = {
     # Heads, KV heads, hidden units and vocabulary divide by tp = 4; dim 62 does not divide by
     # dp = 4, so FSDP shards of norms, o_proj and down_proj are uneven.
-    "divisible": Qwen3ModelArgs(vocab_size=96, dim=62, n_layers=2, n_heads=8, n_kv_heads=4, head_dim=8,
-                                hidden_dim=72, rope_theta=10_000.0, max_seq_len=64),
+    "divisible": Qwen3ModelArgs(
+        vocab_size=96,
+        dim=62,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=8,
+        hidden_dim=72,
+        rope_theta=10_000.0,
+        max_seq_len=64,
+    ),
     # With tp = 2, TP shards of 49 vocabulary rows and 35 hidden units split unevenly over dp = 2.
-    "odd": Qwen3ModelArgs(vocab_size=98, dim=62, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                          hidden_dim=70, rope_theta=10_000.0, tie_embeddings=True, max_seq_len=64),
+    "odd": Qwen3ModelArgs(
+        vocab_size=98,
+        dim=62,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=70,
+        rope_theta=10_000.0,
+        tie_embeddings=True,
+        max_seq_len=64,
+    ),
     # Qwen3-MoE with a dense first layer: stacked experts (4, one per rank of a 4-rank expert
     # mesh) read from and written as per-expert HF tensors.
-    "moe": Qwen3ModelArgs(vocab_size=96, dim=64, n_layers=3, n_heads=8, n_kv_heads=4, head_dim=8, hidden_dim=72,
-                          rope_theta=10_000.0, max_seq_len=64, num_experts=4, num_experts_per_tok=2,
-                          moe_hidden_dim=32, mlp_only_layers=(0,)),
+    "moe": Qwen3ModelArgs(
+        vocab_size=96,
+        dim=64,
+        n_layers=3,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=8,
+        hidden_dim=72,
+        rope_theta=10_000.0,
+        max_seq_len=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_hidden_dim=32,
+        mlp_only_layers=(0,),
+    ),
 }
 
 
@@ -56,9 +87,16 @@ def write_checkpoints(directory: str) -> dict[str, dict[str, torch.Tensor]]:
 def launched(tmp_path_factory):
     checkpoints, out = tmp_path_factory.mktemp("hf"), tmp_path_factory.mktemp("out")
     references = write_checkpoints(str(checkpoints))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={hf_load_worker.WORLD_SIZE}", os.path.join(HERE, "hf_load_worker.py"),
-           str(checkpoints), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={hf_load_worker.WORLD_SIZE}",
+        os.path.join(HERE, "hf_load_worker.py"),
+        str(checkpoints),
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=HERE, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return references, str(out), torch.load(os.path.join(out, "loaded.pt"))

@@ -11,14 +11,14 @@ import dataclasses
 import functools
 import re
 
-import layout_cases as lc
-import layout_worker
 import pytest
 import torch
 import torch.nn.functional as F
-from reference import minibatch_loss
 
+import layout_cases as lc
+import layout_worker
 import torchtitan_rl.engine as engine_module
+from reference import minibatch_loss
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.losses.reduction import REDUCTION_MODES
@@ -124,7 +124,7 @@ def layout_keys(results, world):
 def batch_degree(layout: str) -> int:
     """rep{R}_shard{S}_cp{C}_tp{T}[_tied] -> R * S, the number of ranks with different samples."""
     parts = layout.split("_")
-    return int(parts[0][len("rep"):]) * int(parts[1][len("shard"):])
+    return int(parts[0][len("rep") :]) * int(parts[1][len("shard") :])
 
 
 WORLDS = [1, 2, 4, 8]
@@ -146,7 +146,7 @@ def test_gradients_and_logged_metrics_equal_full_batch_reference(results, world)
         parts = key.split("/")
         if not key.startswith("rep") or parts[-1] in ("init", "step", "forward") or parts[1] == "rl":
             continue
-        layout, mode, budget, variants = parts[0], parts[1], int(parts[2][len("budget"):]), tuple(parts[3].split("+"))
+        layout, mode, budget, variants = parts[0], parts[1], int(parts[2][len("budget") :]), tuple(parts[3].split("+"))
         dp = batch_degree(layout)
         loss, grads, max_loss, loss_tokens = reference(mode, budget, variants, dp, layout.endswith("_tied"))
         for fqn, g in grads.items():
@@ -215,9 +215,13 @@ def test_clipped_adamw_step_equals_reference(results, world):
 
 def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
     """token_mean_legacy must differ from token_mean when micro-batches hold unequal counts."""
-    legacy = results[2]["rep1_shard2_cp1_tp1/token_mean_legacy/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    legacy = results[2]["rep1_shard2_cp1_tp1/token_mean_legacy/budget24/uneven"]["logged"][
+        "loss_metrics/global_avg_loss"
+    ]
     exact = results[2]["rep1_shard2_cp1_tp1/token_mean/budget24/uneven"]["logged"]["loss_metrics/global_avg_loss"]
-    legacy_one_mb = results[1]["rep1_shard1_cp1_tp1/token_mean_legacy/budget0/uneven"]["logged"]["loss_metrics/global_avg_loss"]
+    legacy_one_mb = results[1]["rep1_shard1_cp1_tp1/token_mean_legacy/budget0/uneven"]["logged"][
+        "loss_metrics/global_avg_loss"
+    ]
     # Float rounding moves these by ~1e-7 relative; the layout dependence is far larger.
     assert abs(legacy - exact) > 1e-4 * abs(exact)
     assert abs(legacy - legacy_one_mb) > 1e-4 * abs(exact)
@@ -230,7 +234,9 @@ def test_legacy_mode_depends_on_layout_while_token_mean_does_not(results):
 def per_sequence_values(model: Qwen3Model, sample) -> dict:
     """Log-probs of the labels and entropies of one sequence, run alone with full logits."""
     n = len(sample)
-    log_softmax = model.output(model(sample.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).log_softmax(-1)
+    log_softmax = model.output(model(sample.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).log_softmax(
+        -1
+    )
     return {
         "logprobs": log_softmax.gather(1, sample.labels[:, None])[:, 0],
         "entropy": -(log_softmax.exp() * log_softmax).sum(-1),
@@ -268,8 +274,16 @@ def rl_token_values(model: Qwen3Model, loss_fn: str) -> list[dict]:
         kl = {"k2": delta**2 / 2, "k3": k3, "low_var_kl": k3.clamp(max=10.0)}[cfg["kl_estimator"]]
         stats.update(ratio=ratio.detach(), logprob_diff=(logp - sample.sampler_logprobs).abs().detach(), advantage=adv)
         loss = pg + cfg["kl_coef"] * kl - cfg["entropy_coef"] * v["entropy"]
-        out.append({"loss": loss, "pg_loss": pg, "kl": kl, "entropy": v["entropy"], "mask": sample.loss_mask.float(),
-                    "stats": stats})
+        out.append(
+            {
+                "loss": loss,
+                "pg_loss": pg,
+                "kl": kl,
+                "entropy": v["entropy"],
+                "mask": sample.loss_mask.float(),
+                "stats": stats,
+            }
+        )
     return out
 
 
@@ -295,7 +309,9 @@ def _rl_reference(loss_fn: str, mode: str, budget: int, dp: int) -> RLReference:
     masks = torch.cat([s["mask"] for s in seqs]).bool()
     logged = {
         "loss_metrics/global_avg_loss": float(loss.detach()),
-        "loss_metrics/global_max_loss": max(float((s["loss"] * s["mask"]).sum() / s["mask"].sum()) for s in seqs if s["mask"].sum() > 0),
+        "loss_metrics/global_max_loss": max(
+            float((s["loss"] * s["mask"]).sum() / s["mask"].sum()) for s in seqs if s["mask"].sum() > 0
+        ),
         "grad_norm": grad_norm(grads),
     }
     for term in ("pg_loss", "kl", "entropy"):
@@ -315,7 +331,7 @@ def _rl_reference(loss_fn: str, mode: str, budget: int, dp: int) -> RLReference:
 def check_rl_entry(key: str, entry: dict) -> None:
     """One RL case of one layout against the reference: gradients and every logged number."""
     layout, _, loss_fn, mode, budget = key.split("/")[:5]
-    ref = rl_reference(loss_fn, mode, int(budget[len("budget"):]), batch_degree(layout))
+    ref = rl_reference(loss_fn, mode, int(budget[len("budget") :]), batch_degree(layout))
     for fqn, g in ref.grads.items():
         assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}")
     logged = entry["logged"]
@@ -335,11 +351,14 @@ def test_rl_losses_with_kl_and_entropy_equal_full_batch_reference(results, world
         if key.split("/")[1:2] == ["rl"]:
             check_rl_entry(key, entry)
             layout, _, loss_fn, mode, budget = key.split("/")[:5]
-            checked.add((layout, loss_fn, mode, int(budget[len("budget"):])))
+            checked.add((layout, loss_fn, mode, int(budget[len("budget") :])))
     expected = {
         (rl_layout_name(layout), loss_fn, mode, budget)
-        for layout in lc.RL_LAYOUTS if layout in lc.layouts(world)
-        for loss_fn in lc.RL_LOSS_FNS for mode in REDUCTION_MODES for budget in lc.RL_BUDGETS
+        for layout in lc.RL_LAYOUTS
+        if layout in lc.layouts(world)
+        for loss_fn in lc.RL_LOSS_FNS
+        for mode in REDUCTION_MODES
+        for budget in lc.RL_BUDGETS
     }
     assert checked == expected
 

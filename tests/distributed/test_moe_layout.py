@@ -31,13 +31,18 @@ def balance(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: int, laye
     """E * sum_e f_e * P_e of one group from its [L, E] counts and probability sums."""
     num_layers, num_experts = counts.shape
     if layers == "pooled":
-        return num_experts * (counts.sum(0) / (num_layers * num_tokens) * prob_sums.sum(0) / (num_layers * num_tokens)).sum()
+        return (
+            num_experts
+            * (counts.sum(0) / (num_layers * num_tokens) * prob_sums.sum(0) / (num_layers * num_tokens)).sum()
+        )
     return num_experts * sum((counts[l] / num_tokens * prob_sums[l] / num_tokens).sum() for l in range(num_layers))
 
 
 @functools.cache
 def reference(name: str):
-    config = {mc.AUX_ONLY: mc.AUX_ONLY_CONFIG, mc.MICROBATCH: mc.MICROBATCH_CONFIG}.get(name) or mc.ROUTER_CONFIGS.get(name)
+    config = {mc.AUX_ONLY: mc.AUX_ONLY_CONFIG, mc.MICROBATCH: mc.MICROBATCH_CONFIG}.get(name) or mc.ROUTER_CONFIGS.get(
+        name
+    )
     variant = "no_loss" if name == mc.AUX_ONLY else "uneven"
     model = reference_model()
     ce, masks, stats = [], [], []
@@ -57,11 +62,16 @@ def reference(name: str):
         aux = balance(sum(counts), sum(probs), num_tokens, config.aux_loss_layers)
     elif config.aux_loss_scope == "microbatch":
         groups = greedy_plan(lengths, mc.BUDGET)  # one rank: the plan of the whole batch
-        aux = sum(balance(sum(counts[i] for i in g), sum(probs[i] for i in g), sum(lengths[i] for i in g),
-                          config.aux_loss_layers) for g in groups) / len(groups)
+        aux = sum(
+            balance(
+                sum(counts[i] for i in g), sum(probs[i] for i in g), sum(lengths[i] for i in g), config.aux_loss_layers
+            )
+            for g in groups
+        ) / len(groups)
     else:
-        aux = sum(balance(c, p, len(s), config.aux_loss_layers)
-                  for c, p, s in zip(counts, probs, lc.global_batch(variant))) / len(stats)
+        aux = sum(
+            balance(c, p, len(s), config.aux_loss_layers) for c, p, s in zip(counts, probs, lc.global_batch(variant))
+        ) / len(stats)
     z = sum(st.z_sums.sum() for st in stats) / num_tokens
     loss = token_loss + config.aux_loss_coef * aux + config.z_loss_coef * z
     loss.backward()
@@ -100,8 +110,10 @@ def test_router_losses_and_gradients_equal_the_one_process_reference(layout_resu
 def test_aux_only_gradient_norm_does_not_scale_with_cp_or_tp(layout_results):
     """verl #6836: a token count pre-multiplied under CP left the router losses' gradient norm
     10^4 times too large. The aux-only objective's norm is the same on 1 rank, cp 2 and tp 2."""
-    norms = {layout: moe_entries(layout_results)[mc.case_key(layout, mc.AUX_ONLY)]["logged"]["grad_norm"]
-             for layout in ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 1, 2, 2))}
+    norms = {
+        layout: moe_entries(layout_results)[mc.case_key(layout, mc.AUX_ONLY)]["logged"]["grad_norm"]
+        for layout in ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 1, 2, 2))
+    }
     grads, *_ = reference(mc.AUX_ONLY)
     assert grad_norm(grads) > 0
     for layout, norm in norms.items():

@@ -20,8 +20,14 @@ def single_process_rollouts() -> dict:
     generator.update_weights(model)
     step_prompts = prompts()
     with one_thread():  # the ranks' float kernels: bitwise equality is the claim
-        rollouts = generator.generate(step_prompts, list(range(len(step_prompts))), rl_cases.NUM_SAMPLES,
-                                      rl_cases.PARAMS, rl_cases.SEED, rl_cases.STEP)
+        rollouts = generator.generate(
+            step_prompts,
+            list(range(len(step_prompts))),
+            rl_cases.NUM_SAMPLES,
+            rl_cases.PARAMS,
+            rl_cases.SEED,
+            rl_cases.STEP,
+        )
     return {(p, s): (tokens, logprobs) for p, s, tokens, logprobs in rl_cases.summary(rollouts)}
 
 
@@ -40,8 +46,9 @@ def test_peers_share_identical_rollouts_and_data_parallel_ranks_disjoint_ones(la
         whole = peers[0]["all"]
         # Every peer ends with the same rollouts: its rank's slots x samples, in slot order ...
         assert all(p["all"] == whole for p in peers)
-        assert [(p, s) for p, s, *_ in whole] == [(slot, s) for slot in peers[0]["slots"]
-                                                  for s in range(rl_cases.NUM_SAMPLES)]
+        assert [(p, s) for p, s, *_ in whole] == [
+            (slot, s) for slot in peers[0]["slots"] for s in range(rl_cases.NUM_SAMPLES)
+        ]
         # ... of which it generated its own, non-empty, disjoint part.
         parts = [p["local"] for p in peers]
         assert all(parts) and [r for part in parts for r in part] == whole

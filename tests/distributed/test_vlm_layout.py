@@ -56,8 +56,13 @@ def vlm_entries(results):
 
 def test_every_vlm_layout_mode_budget_and_balancing_was_run(layout_results):
     got = set(vlm_entries(layout_results))
-    expected = {vc.case_key(layout, mode, budget, balance)
-                for layout in vc.VLM_LAYOUTS for mode in vc.MODES for budget in vc.BUDGETS for balance in (False, True)}
+    expected = {
+        vc.case_key(layout, mode, budget, balance)
+        for layout in vc.VLM_LAYOUTS
+        for mode in vc.MODES
+        for budget in vc.BUDGETS
+        for balance in (False, True)
+    }
     expected |= {vc.case_key(layout, "token_mean", vc.BUDGETS[1], True, step=True) for layout in vc.VLM_LAYOUTS}
     assert got == expected
 

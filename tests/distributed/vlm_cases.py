@@ -38,8 +38,16 @@ PATCH_DIM = 3 * 2 * 2  # RGB, 2x2-pixel patches
 
 
 def model_args() -> VLMModelArgs:
-    vision = VisionArgs(dim=16, n_layers=2, n_heads=2, hidden_dim=24, patch_size=2, num_channels=3,
-                        max_patches_per_side=8, attn_backend="sdpa_dense")
+    vision = VisionArgs(
+        dim=16,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=24,
+        patch_size=2,
+        num_channels=3,
+        max_patches_per_side=8,
+        attn_backend="sdpa_dense",
+    )
     text = dataclasses.asdict(lc.model_args(False))
     return VLMModelArgs(**text, vision=vision, spatial_merge_size=MERGE, image_token_id=IMAGE_ID)
 
@@ -86,8 +94,15 @@ def global_batch() -> list[Sample]:
             images.append(SampleImage(torch.randn(r * c, PATCH_DIM, generator=gen), r, c))
             at += len(tokens) + 1  # one text token between images
         mask = torch.zeros(n, dtype=torch.bool) if loss_from is None else torch.arange(n) >= loss_from
-        samples.append(Sample(input_ids=ids, labels=labels, loss_mask=mask, images=images or None,
-                              vision_rows=rows if images else None))
+        samples.append(
+            Sample(
+                input_ids=ids,
+                labels=labels,
+                loss_mask=mask,
+                images=images or None,
+                vision_rows=rows if images else None,
+            )
+        )
     return samples
 
 
@@ -101,8 +116,12 @@ def rank_samples(samples: list[Sample], dims: ParallelDims, balance: bool) -> li
 
 
 def case_key(layout: tuple, mode: str, budget: tuple, balance: bool, step: bool = False) -> str:
-    return "vlm/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{mode}/budget{budget[0]}_{budget[1]}" + (
-        "/balanced" if balance else "") + ("/step" if step else "")
+    return (
+        "vlm/rep{}_shard{}_cp{}_tp{}".format(*layout)
+        + f"/{mode}/budget{budget[0]}_{budget[1]}"
+        + ("/balanced" if balance else "")
+        + ("/step" if step else "")
+    )
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -124,17 +143,36 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
     cases = [(mode, budget, balance, False) for mode in MODES for budget in BUDGETS for balance in (False, True)]
     cases.append(("token_mean", BUDGETS[1], True, True))  # clipped AdamW step; must stay last
     for mode, budget, balance, step in cases:
-        options = EngineOptions(reduction=mode, horizon=lc.HORIZON, max_tokens_per_microbatch=budget[0], logits_chunk_size=16, max_norm=lc.MAX_NORM if step else 0.0, vision=vision, max_patches_per_microbatch=budget[1])
-        engine = Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options)
+        options = EngineOptions(
+            reduction=mode,
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=budget[0],
+            logits_chunk_size=16,
+            max_norm=lc.MAX_NORM if step else 0.0,
+            vision=vision,
+            max_patches_per_microbatch=budget[1],
+        )
+        engine = Engine(
+            model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+        )
         samples = rank_samples(global_batch(), dims, balance)
         fb = engine.forward_backward(samples)
         grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
-        optim = engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+        optim = (
+            engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+        )
         if not step:
             model.zero_grad(set_to_none=True)
-        logged = metrics.log(1, fb=fb, optim=optim, window_tokens=fb.counts[0], window_squared_lens=fb.counts[0], window_seconds=1.0, data_stats={})
-        entry = {"grads": grads, "logged": logged,
-                 "num_images": [s.num_patches > 0 for s in samples].count(True)}
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[0],
+            window_squared_lens=fb.counts[0],
+            window_seconds=1.0,
+            data_stats={},
+        )
+        entry = {"grads": grads, "logged": logged, "num_images": [s.num_patches > 0 for s in samples].count(True)}
         if step:
             entry["params"] = {fqn: _full(p) for fqn, p in model.named_parameters()}
         gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)

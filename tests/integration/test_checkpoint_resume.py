@@ -22,19 +22,49 @@ REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 STEPS, INTERVAL = 6, 3
 ARGS = [
-    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-    "--training.steps", str(STEPS), "--training.global_batch_size", "8", "--training.seq_len", "64",
-    "--training.max_tokens_per_microbatch", "128", "--metrics.log_freq", "1",
-    "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL),
+    "--job.config_file",
+    str(REPO / "train_configs" / "debug_model.toml"),
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    "8",
+    "--training.seq_len",
+    "64",
+    "--training.max_tokens_per_microbatch",
+    "128",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.interval",
+    str(INTERVAL),
 ]
 # Everything a step logs that does not depend on wall-clock time or memory.
-EXACT_TAGS = ("loss_metrics/global_avg_loss", "loss_metrics/global_max_loss", "grad_norm", "lr",
-              "tokens/loss_tokens", "tokens/total", "data/num_samples", "data/num_truncated")
+EXACT_TAGS = (
+    "loss_metrics/global_avg_loss",
+    "loss_metrics/global_max_loss",
+    "grad_norm",
+    "lr",
+    "tokens/loss_tokens",
+    "tokens/total",
+    "data/num_samples",
+    "data/num_truncated",
+)
 
 
 def run(dump: Path, nproc: int, *extra: str, script: Path = REPO / "train.py", env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *ARGS, "--job.dump_folder", str(dump), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        *ARGS,
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=env or launch_env(), capture_output=True, text=True, timeout=600)
 
 
@@ -73,10 +103,14 @@ def test_resume_on_same_layout_is_bit_identical(uninterrupted, tmp_path):
     assert resumed["data/num_samples"][4] == full["data/num_samples"][3] + 8
 
 
-@pytest.mark.parametrize("layout", [
-    [],  # dp=4 (FSDP over 4 ranks)
-    ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],  # dp=1, cp=2, tp=2
-], ids=["dp4", "cp2_tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],  # dp=4 (FSDP over 4 ranks)
+        ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],  # dp=1, cp=2, tp=2
+    ],
+    ids=["dp4", "cp2_tp2"],
+)
 def test_resume_on_another_layout_continues(uninterrupted, tmp_path, layout):
     dump = stopped_after_step_3(uninterrupted, tmp_path / "other_layout")
     out = check(run(dump, 4, *layout))
@@ -106,8 +140,16 @@ def test_save_killed_midway_is_ignored_and_previous_checkpoint_loads(uninterrupt
         assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag
 
 
-MOE_ARGS = ["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "0.01", "--moe.z_loss_coef", "0.001",
-            "--parallelism.tensor_parallel_degree", "2"]
+MOE_ARGS = [
+    "--model.flavor",
+    "debugmodel_moe",
+    "--moe.aux_loss_coef",
+    "0.01",
+    "--moe.z_loss_coef",
+    "0.001",
+    "--parallelism.tensor_parallel_degree",
+    "2",
+]
 
 
 def test_moe_resume_on_same_layout_is_bit_identical(tmp_path):

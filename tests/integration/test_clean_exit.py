@@ -27,12 +27,15 @@ def _load_tool():
     return module
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="the stressed run and the thread check need Linux /proc")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="the stressed run and the thread check need Linux /proc"
+)
 def test_stressed_two_rank_run_exits_cleanly(tmp_path):
     tool = _load_tool()
     # Two steps: the checkpoint of the last step is the last collective before the teardown.
-    proc = tool.launch(str(REPO), tool.train_args(str(tmp_path / "dump"), steps=2, async_mode="disabled"),
-                       stress=True, timeout_s=300)
+    proc = tool.launch(
+        str(REPO), tool.train_args(str(tmp_path / "dump"), steps=2, async_mode="disabled"), stress=True, timeout_s=300
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert tool.abort_lines(output) == [], output[-4000:]

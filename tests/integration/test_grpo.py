@@ -36,32 +36,72 @@ LAYOUT_OPTIONS = (
     "--rl.num_minibatches 2 --generation.max_prompts_per_batch 2 --rl.eval_interval 0"
 )
 SFT_STEPS = 60
-LAYOUT_TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "rl/reward_mean", "rl/kl", "rl/entropy",
-               "rl/response_length_mean", "rl/ratio_max")
+LAYOUT_TAGS = (
+    "loss_metrics/global_avg_loss",
+    "grad_norm",
+    "rl/reward_mean",
+    "rl/kl",
+    "rl/entropy",
+    "rl/response_length_mean",
+    "rl/ratio_max",
+)
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
-                          timeout=900)
+    return subprocess.run(
+        [sys.executable, TOOL, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900
+    )
 
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("grpo_layouts")
     sft = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"),
-         "--training.steps", str(SFT_STEPS), "--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
-         "--job.dump_folder", str(out / "sft")],
-        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--job.config_file",
+            str(REPO / "train_configs" / "debug_model.toml"),
+            "--training.steps",
+            str(SFT_STEPS),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.last_save_model_only",
+            "true",
+            "--job.dump_folder",
+            str(out / "sft"),
+        ],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert sft.returncode == 0, sft.stderr[-4000:]
     start = out / "sft" / "checkpoint" / f"step-{SFT_STEPS}"
-    common = ["--config", RECIPE, "--steps", str(LAYOUT_STEPS), "--tags", ",".join(LAYOUT_TAGS),
-              "--options", f"{LAYOUT_OPTIONS} --checkpoint.initial_load_path {start}"]
+    common = [
+        "--config",
+        RECIPE,
+        "--steps",
+        str(LAYOUT_STEPS),
+        "--tags",
+        ",".join(LAYOUT_TAGS),
+        "--options",
+        f"{LAYOUT_OPTIONS} --checkpoint.initial_load_path {start}",
+    ]
     one_vs_dp2 = tool(*common, "--baseline-ngpu", "1", "--test-ngpu", "2", "--output-folder", str(out / "dp2"))
     assert one_vs_dp2.returncode == 0, one_vs_dp2.stdout[-4000:] + one_vs_dp2.stderr[-4000:]
-    one_vs_tp = tool(*common, "--baseline-ngpu", "1", "--test-ngpu", "4", "--output-folder", str(out / "dp2_tp2"),
-                     "--test-options", "--parallelism.tensor_parallel_degree 2")
+    one_vs_tp = tool(
+        *common,
+        "--baseline-ngpu",
+        "1",
+        "--test-ngpu",
+        "4",
+        "--output-folder",
+        str(out / "dp2_tp2"),
+        "--test-options",
+        "--parallelism.tensor_parallel_degree 2",
+    )
     assert one_vs_tp.returncode == 0, one_vs_tp.stdout[-4000:] + one_vs_tp.stderr[-4000:]
     return out
 
@@ -88,17 +128,43 @@ STEPS, INTERVAL = 60, 30
 # Calibrated in docs/benchmarks/grpo.md: over 3 seeds the last 5 of the recipe's 60 steps beat the
 # first 5 by 0.28 to 0.52 in mean reward (after 30 steps by as little as 0.09: too early to test).
 MARGIN = 0.15
-EXACT_TAGS = ("loss_metrics/global_avg_loss", "grad_norm", "lr", "rl/reward_mean", "rl/pass@1", "rl/entropy",
-              "rl/response_length_mean", "rl/groups_mixed", "rl/ratio_max", "tokens/total", "eval/pass@1",
-              "eval/pass@8")
+EXACT_TAGS = (
+    "loss_metrics/global_avg_loss",
+    "grad_norm",
+    "lr",
+    "rl/reward_mean",
+    "rl/pass@1",
+    "rl/entropy",
+    "rl/response_length_mean",
+    "rl/groups_mixed",
+    "rl/ratio_max",
+    "tokens/total",
+    "eval/pass@1",
+    "eval/pass@8",
+)
 
 
 def run(dump: Path, *extra: str) -> str:
     """The embedded recipe as it is (60 steps), evaluating and checkpointing at steps 30 and 60."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-           "--job.config_file", RECIPE, "--rl.eval_interval", str(INTERVAL),
-           "--checkpoint.enable", "true", "--checkpoint.interval", str(INTERVAL), "--job.dump_folder", str(dump),
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        "--job.config_file",
+        RECIPE,
+        "--rl.eval_interval",
+        str(INTERVAL),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        str(INTERVAL),
+        "--job.dump_folder",
+        str(dump),
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc.stdout + proc.stderr

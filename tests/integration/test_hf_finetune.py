@@ -27,18 +27,48 @@ from torchtitan_rl.tensorboard_io import read_scalars
 REPO = Path(__file__).resolve().parents[2]
 SEED, SEQ_LEN, BATCH, STEPS = 42, 64, 8, 2
 ARGS = [
-    "--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--debug.seed", str(SEED),
-    "--training.steps", str(STEPS), "--training.seq_len", str(SEQ_LEN), "--training.global_batch_size", str(BATCH),
-    "--training.max_tokens_per_microbatch", "128", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "0",
-    "--checkpoint.enable", "true", "--checkpoint.initial_load_in_hf", "true",
-    "--checkpoint.last_save_model_only", "true", "--checkpoint.last_save_in_hf", "true",
+    "--job.config_file",
+    str(REPO / "train_configs" / "debug_model.toml"),
+    "--debug.seed",
+    str(SEED),
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    str(SEQ_LEN),
+    "--training.global_batch_size",
+    str(BATCH),
+    "--training.max_tokens_per_microbatch",
+    "128",
+    "--metrics.log_freq",
+    "1",
+    "--lr_scheduler.warmup_steps",
+    "0",
+    "--checkpoint.enable",
+    "true",
+    "--checkpoint.initial_load_in_hf",
+    "true",
+    "--checkpoint.last_save_model_only",
+    "true",
+    "--checkpoint.last_save_in_hf",
+    "true",
 ]
 LOSS = "loss_metrics/global_avg_loss"
 
 
 def finetune(initial: Path, dump: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-           *ARGS, "--checkpoint.initial_load_path", str(initial), "--job.dump_folder", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        *ARGS,
+        "--checkpoint.initial_load_path",
+        str(initial),
+        "--job.dump_folder",
+        str(dump),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     assert "loaded Hugging Face weights" in proc.stdout + proc.stderr
@@ -86,8 +116,17 @@ def test_finetune_from_hf_and_export_back(hf_dir, tmp_path):
 
 
 def test_hf_directory_of_another_flavor_is_refused_before_training(hf_dir, tmp_path):
-    cmd = [sys.executable, str(REPO / "train.py"), *ARGS, "--checkpoint.initial_load_path", str(hf_dir),
-           "--model.flavor", "0.6B", "--job.dump_folder", str(tmp_path / "wrong")]
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        *ARGS,
+        "--checkpoint.initial_load_path",
+        str(hf_dir),
+        "--model.flavor",
+        "0.6B",
+        "--job.dump_folder",
+        str(tmp_path / "wrong"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "another model flavor" in proc.stderr and str(hf_dir / "config.json") in proc.stderr
@@ -99,15 +138,37 @@ def test_any_qwen3_size_fine_tunes_with_the_hf_flavor(tmp_path):
     from its config.json, and the first loss is transformers' on the same mini-batch."""
     torch.manual_seed(1)
     config = Qwen3Config(
-        vocab_size=300, hidden_size=48, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
-        head_dim=16, intermediate_size=80, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=256,
+        vocab_size=300,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        intermediate_size=80,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
         rope_parameters={"rope_type": "default", "rope_theta": 50_000.0},
     )
     folder = tmp_path / "custom-qwen3"
     Qwen3ForCausalLM(config).save_pretrained(folder)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(REPO / "train.py"),
-           *ARGS, "--model.flavor", "hf", "--checkpoint.initial_load_path", str(folder),
-           "--training.steps", "1", "--job.dump_folder", str(tmp_path / "run")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(REPO / "train.py"),
+        *ARGS,
+        "--model.flavor",
+        "hf",
+        "--checkpoint.initial_load_path",
+        str(folder),
+        "--training.steps",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "run"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     loss = read_scalars(str(tmp_path / "run" / "tb"))[LOSS][1]
@@ -118,4 +179,6 @@ def test_hf_flavor_needs_a_config_json(tmp_path):
     cmd = [sys.executable, str(REPO / "train.py"), "--model.flavor", "hf", "--job.dump_folder", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path" in proc.stderr
+    assert (
+        "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path" in proc.stderr
+    )

@@ -34,22 +34,40 @@ GLOBAL_BATCH = 8
 BUDGET = 64  # tokens per micro-batch: ~150 tokens per rank on 2 ranks -> >= 3 micro-batches
 LOSS, GRAD_NORM = "loss_metrics/global_avg_loss", "grad_norm"
 MODES = ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"]
-COMMON = (f"--training.global_batch_size {GLOBAL_BATCH} --training.seq_len {SEQ_LEN} "
-          "--training.max_tokens_per_microbatch 0")
+COMMON = (
+    f"--training.global_batch_size {GLOBAL_BATCH} --training.seq_len {SEQ_LEN} --training.max_tokens_per_microbatch 0"
+)
 GA = f"--training.max_tokens_per_microbatch {BUDGET}"
 
 
 def tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """``python scripts/loss_compare.py ARGS`` from the repository root, as a user runs it."""
-    return subprocess.run([sys.executable, TOOL, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, TOOL, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def train(nproc: int, dump: Path, options: str) -> None:
     """The same launch the tool makes, for a run that is compared only in folder mode."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN,
-           "--job.config_file", RECIPE, *options.split(), "--training.steps", str(STEPS),
-           "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true", "--job.dump_folder", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        TRAIN,
+        "--job.config_file",
+        RECIPE,
+        *options.split(),
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "true",
+        "--job.dump_folder",
+        str(dump),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -77,10 +95,24 @@ def runs(tmp_path_factory) -> dict[str, ModeRuns]:
     for mode in MODES:
         common = f"{COMMON} --loss.reduction {mode}"
         run_both = tool(
-            "--config", RECIPE, "--steps", str(STEPS), "--rtol", str(RTOL), "--output-folder", str(out / mode),
-            "--options", common,
-            "--baseline-ngpu", "1", "--baseline-options", "--parallelism.data_parallel_shard_degree 1",
-            "--test-ngpu", "2", "--test-options", GA,
+            "--config",
+            RECIPE,
+            "--steps",
+            str(STEPS),
+            "--rtol",
+            str(RTOL),
+            "--output-folder",
+            str(out / mode),
+            "--options",
+            common,
+            "--baseline-ngpu",
+            "1",
+            "--baseline-options",
+            "--parallelism.data_parallel_shard_degree 1",
+            "--test-ngpu",
+            "2",
+            "--test-options",
+            GA,
         )
         folders = {"dp1": out / mode / "baseline", "dp2_ga": out / mode / "test", "dp2": out / f"{mode}_dp2"}
         # A failed run-both leaves no curves to compare; the tests below then fail on this output.
@@ -301,8 +333,16 @@ def test_failed_run_is_trouble_with_log_tail(tmp_path):
     # A stale run of an earlier comparison (it has the tool's train.log) is replaced, not mixed in.
     stale = _write_curve(tmp_path / "out" / "baseline", {s: 1.0 for s in range(1, 50)})
     (stale / "train.log").write_text("STALE LOG\n")
-    proc = tool("--config", RECIPE, "--steps", "2", "--output-folder", str(tmp_path / "out"),
-                "--baseline-options", "--training.no_such_key 1")
+    proc = tool(
+        "--config",
+        RECIPE,
+        "--steps",
+        "2",
+        "--output-folder",
+        str(tmp_path / "out"),
+        "--baseline-options",
+        "--training.no_such_key 1",
+    )
     assert proc.returncode == 2, _output(proc)
     assert "baseline run failed" in proc.stderr
     # The tail of the run's log shows the cause, and the log is kept in the dump folder.

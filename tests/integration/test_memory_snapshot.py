@@ -40,8 +40,9 @@ def test_defaults_are_off():
 
 @pytest.mark.parametrize("text", ["[1, 3]", "1,3", "[1,3,]"])
 def test_steps_from_cli(text):
-    cfg = parse("--training.steps", "5", "--profiling.enable_memory_snapshot",
-                "--profiling.memory_snapshot_steps", text)
+    cfg = parse(
+        "--training.steps", "5", "--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_steps", text
+    )
     assert cfg.profiling.enable_memory_snapshot is True
     assert cfg.profiling.memory_snapshot_steps == [1, 3]
 
@@ -69,14 +70,20 @@ def test_empty_list_is_fine_while_disabled():
         (["--profiling.memory_snapshot_steps", "0"], ["profiling.memory_snapshot_steps", "step 0", "1..10"]),
         (["--profiling.memory_snapshot_steps", "[2, 11]"], ["profiling.memory_snapshot_steps", "step 11", "1..10"]),
         (["--profiling.memory_snapshot_steps", "-1"], ["profiling.memory_snapshot_steps", "step -1"]),
-        (["--profiling.memory_snapshot_steps", "[3, 2, 3]"],
-         ["profiling.memory_snapshot_steps", "step 3", "more than once"]),
-        (["--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_steps", "[]"],
-         ["profiling.memory_snapshot_steps", "empty", "profiling.enable_memory_snapshot"]),
+        (
+            ["--profiling.memory_snapshot_steps", "[3, 2, 3]"],
+            ["profiling.memory_snapshot_steps", "step 3", "more than once"],
+        ),
+        (
+            ["--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_steps", "[]"],
+            ["profiling.memory_snapshot_steps", "empty", "profiling.enable_memory_snapshot"],
+        ),
         (["--profiling.memory_snapshot_steps", "[1, x]"], ["profiling.memory_snapshot_steps", "expected int", "'x'"]),
         (["--profiling.memory_snapshot_max_entries", "0"], ["profiling.memory_snapshot_max_entries", ">= 1"]),
-        (["--profiling.memory_snapshot_step", "1"],
-         ["profiling.memory_snapshot_step'", "'profiling.memory_snapshot_steps'"]),
+        (
+            ["--profiling.memory_snapshot_step", "1"],
+            ["profiling.memory_snapshot_step'", "'profiling.memory_snapshot_steps'"],
+        ),
     ],
 )
 def test_bad_values_name_the_key(argv, fragments):
@@ -168,11 +175,22 @@ def _param_bytes_fp32(flavor: str) -> int:
 def cpu_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("memory_snapshot_run")
     # Later overrides win: the shared ones, with fewer steps.
-    argv = ["--job.config_file", RECIPE, *OVERRIDES, "--training.steps", str(STEPS), "--job.dump_folder", str(dump),
-            "--profiling.enable_memory_snapshot", "true",
-            "--profiling.memory_snapshot_steps", str(SNAPSHOT_STEPS),
-            # Context parallel over the 2 ranks: the file names must carry the CP coordinate.
-            "--parallelism.context_parallel_degree", "2"]
+    argv = [
+        "--job.config_file",
+        RECIPE,
+        *OVERRIDES,
+        "--training.steps",
+        str(STEPS),
+        "--job.dump_folder",
+        str(dump),
+        "--profiling.enable_memory_snapshot",
+        "true",
+        "--profiling.memory_snapshot_steps",
+        str(SNAPSHOT_STEPS),
+        # Context parallel over the 2 ranks: the file names must carry the CP coordinate.
+        "--parallelism.context_parallel_degree",
+        "2",
+    ]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CUDA_VISIBLE_DEVICES", "")  # the CPU path, also on a GPU machine
         proc = train(argv, nproc=2)
@@ -182,10 +200,12 @@ def cpu_run(tmp_path_factory):
 
 def test_exactly_one_timeline_per_listed_step_and_rank(cpu_run):
     dump, _ = cpu_run
-    files = sorted(p.relative_to(dump / "memory_snapshot").as_posix()
-                   for p in (dump / "memory_snapshot").rglob("*") if p.is_file())
-    assert files == [f"step_{step}/rank{rank}_dp0_cp{rank}_tp0_memory_timeline.json"
-                     for step in SNAPSHOT_STEPS for rank in (0, 1)]
+    files = sorted(
+        p.relative_to(dump / "memory_snapshot").as_posix() for p in (dump / "memory_snapshot").rglob("*") if p.is_file()
+    )
+    assert files == [
+        f"step_{step}/rank{rank}_dp0_cp{rank}_tp0_memory_timeline.json" for step in SNAPSHOT_STEPS for rank in (0, 1)
+    ]
 
 
 def test_log_names_every_file_and_says_what_cpu_writes(cpu_run):
@@ -227,8 +247,18 @@ def test_timeline_holds_the_step_memory(cpu_run, step, rank):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshots_are_loadable_pickles(tmp_path):
-    argv = ["--job.config_file", RECIPE, *OVERRIDES, "--training.steps", "3", "--job.dump_folder", str(tmp_path),
-            "--profiling.enable_memory_snapshot", "--profiling.memory_snapshot_steps", "[2, 3]"]
+    argv = [
+        "--job.config_file",
+        RECIPE,
+        *OVERRIDES,
+        "--training.steps",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--profiling.enable_memory_snapshot",
+        "--profiling.memory_snapshot_steps",
+        "[2, 3]",
+    ]
     proc = train(argv)
     assert proc.returncode == 0, _output(proc)
     folder = tmp_path / "memory_snapshot"

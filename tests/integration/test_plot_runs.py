@@ -38,8 +38,18 @@ LOSS, GRAD_NORM, REWARD = "loss_metrics/global_avg_loss", "grad_norm", "rl/rewar
 TAGS = [LOSS, GRAD_NORM]
 # The debug recipe shrunk to a few seconds per run; the two runs differ in the learning rate
 # so their curves differ from step 2 on (a test comparing one run with itself proves little).
-SMALL = ["--training.steps", str(STEPS), "--training.global_batch_size", "8", "--training.seq_len", "64",
-         "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "true"]
+SMALL = [
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    "8",
+    "--training.seq_len",
+    "64",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "true",
+]
 LRS = {"run_a": "3e-3", "run_b": "3e-4"}
 # matplotlib's first two default colours (C0, C1): the lines of the first and second run.
 RUN_COLORS = [(0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)]
@@ -56,8 +66,17 @@ plot_runs_tool = _load_tool()
 
 
 def _train(dump: Path, lr: str) -> None:
-    cmd = [sys.executable, TRAIN, "--job.config_file", RECIPE, *SMALL, "--optimizer.lr", lr,
-           "--job.dump_folder", str(dump)]
+    cmd = [
+        sys.executable,
+        TRAIN,
+        "--job.config_file",
+        RECIPE,
+        *SMALL,
+        "--optimizer.lr",
+        lr,
+        "--job.dump_folder",
+        str(dump),
+    ]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -74,8 +93,15 @@ def dumps(tmp_path_factory) -> dict[str, Path]:
 
 
 def tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TOOL), *args], check=False, cwd=REPO, env=launch_env(),
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(TOOL), *args],
+        check=False,
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_figure_has_one_panel_per_tag_and_the_logged_values(dumps):
@@ -201,15 +227,23 @@ def _svg_panels(path: Path) -> dict[str, dict]:
     for group in ET.parse(path).getroot().iter(f"{SVG}g"):
         if group.get("class") != "panel":
             continue
-        curves = {line.get("data-run"): [tuple(map(float, point.split(","))) for point in line.get("points").split()]
-                  for line in group.iter(f"{SVG}polyline")}
+        curves = {
+            line.get("data-run"): [tuple(map(float, point.split(","))) for point in line.get("points").split()]
+            for line in group.iter(f"{SVG}polyline")
+        }
         (area,) = [r for r in group.iter(f"{SVG}rect") if r.get("class") == "plot-area"]
         texts = list(group.iter(f"{SVG}text"))
-        ticks = {kind: [(float(t.text), float(t.get("y" if kind == "y-tick" else "x"))) for t in texts
-                        if t.get("class") == kind] for kind in ("y-tick", "x-tick")}
+        ticks = {
+            kind: [
+                (float(t.text), float(t.get("y" if kind == "y-tick" else "x"))) for t in texts if t.get("class") == kind
+            ]
+            for kind in ("y-tick", "x-tick")
+        }
         panels[group.get("data-tag")] = {
-            "curves": curves, "area": tuple(float(area.get(k)) for k in ("x", "y", "width", "height")),
-            "y_ticks": ticks["y-tick"], "x_ticks": ticks["x-tick"],
+            "curves": curves,
+            "area": tuple(float(area.get(k)) for k in ("x", "y", "width", "height")),
+            "y_ticks": ticks["y-tick"],
+            "x_ticks": ticks["x-tick"],
         }
     return panels
 
@@ -261,8 +295,18 @@ def _without_matplotlib(tmp_path: Path) -> dict:
 def test_svg_polylines_are_the_logged_values_without_matplotlib(dumps, tmp_path):
     env = _without_matplotlib(tmp_path)
     out = tmp_path / "svg" / "runs.svg"
-    cmd = [sys.executable, str(TOOL), str(dumps["run_a"]), str(dumps["run_b"]), "--tags", *TAGS, "--format", "svg",
-           "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(TOOL),
+        str(dumps["run_a"]),
+        str(dumps["run_b"]),
+        "--tags",
+        *TAGS,
+        "--format",
+        "svg",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"wrote {out}: 2 panel(s) x 2 run(s)" in proc.stdout
@@ -270,12 +314,15 @@ def test_svg_polylines_are_the_logged_values_without_matplotlib(dumps, tmp_path)
     panels = _svg_panels(out)
     assert list(panels) == TAGS
     for tag in TAGS:
-        _check_svg_panel(panels[tag], {name: sorted((float(s), v) for s, v in logged[name][tag].items())
-                                       for name in ("run_a", "run_b")})
+        _check_svg_panel(
+            panels[tag],
+            {name: sorted((float(s), v) for s, v in logged[name][tag].items()) for name in ("run_a", "run_b")},
+        )
     # The same environment cannot write a PNG, and says why.
     png = tmp_path / "never.png"
-    proc = subprocess.run(cmd[:-4] + ["--out", str(png)], check=False, cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        cmd[:-4] + ["--out", str(png)], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "plotting needs matplotlib" in proc.stderr, proc.stdout + proc.stderr
     assert not png.exists()
 
@@ -295,8 +342,17 @@ def test_x_tag_plots_against_the_running_sum(tmp_path):
     assert [c for point in got for c in point] == pytest.approx(flat)  # float32 rewards
 
     out = tmp_path / "reward.svg"
-    proc = tool(str(tmp_path / "rl_run"), "--tags", REWARD, "--x-tag", "time/step_s", "--title", "reward vs time",
-                "--out", str(out))
+    proc = tool(
+        str(tmp_path / "rl_run"),
+        "--tags",
+        REWARD,
+        "--x-tag",
+        "time/step_s",
+        "--title",
+        "reward vs time",
+        "--out",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     _check_svg_panel(_svg_panels(out)[REWARD], {"rl_run": expected})
     text = out.read_text()

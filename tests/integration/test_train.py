@@ -31,21 +31,31 @@ RTOL = 1e-4
 # A small entropy bonus runs the loss-term path and its rl/* tags end to end.
 ENTROPY_COEF = 0.01
 OVERRIDES = [
-    "--training.steps", str(STEPS),
-    "--training.global_batch_size", "8",
-    "--training.seq_len", "64",
-    "--training.max_tokens_per_microbatch", "128",
-    "--metrics.log_freq", "1",
-    "--loss.entropy_coef", str(ENTROPY_COEF),
+    "--training.steps",
+    str(STEPS),
+    "--training.global_batch_size",
+    "8",
+    "--training.seq_len",
+    "64",
+    "--training.max_tokens_per_microbatch",
+    "128",
+    "--metrics.log_freq",
+    "1",
+    "--loss.entropy_coef",
+    str(ENTROPY_COEF),
 ]
 
 
 def train(args: list[str], nproc: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python train.py ARGS`` (one process, no process group) or torchrun with ``nproc`` ranks."""
-    launcher = [sys.executable] if nproc is None else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    return subprocess.run([*launcher, TRAIN, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    launcher = (
+        [sys.executable]
+        if nproc is None
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    )
+    return subprocess.run(
+        [*launcher, TRAIN, *args], cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _free_port() -> int:
@@ -63,10 +73,25 @@ def train_ranks(args: list[str], world_size: int, timeout: float = 300) -> list[
     port = _free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(launch_env(), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, TRAIN, *args], cwd=REPO, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(
+            launch_env(),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, TRAIN, *args],
+                cwd=REPO,
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     results = []
     for proc in procs:
         try:
@@ -209,42 +234,72 @@ GRPO = ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--rl.sft_warmup_steps"
 # name -> (world size (None: plain single process), extra args, substrings of the message)
 BAD_INPUT = {
     "replicate_not_dividing_world": (
-        2, ["--parallelism.data_parallel_replicate_degree", "3"],
-        ["world size 2", "not divisible", "replicate", "3"]),
+        2,
+        ["--parallelism.data_parallel_replicate_degree", "3"],
+        ["world size 2", "not divisible", "replicate", "3"],
+    ),
     "shard_not_matching_world": (
-        None, ["--parallelism.data_parallel_shard_degree", "3"],
-        ["parallelism.data_parallel_shard_degree (3)", "does not equal the world size 1"]),
+        None,
+        ["--parallelism.data_parallel_shard_degree", "3"],
+        ["parallelism.data_parallel_shard_degree (3)", "does not equal the world size 1"],
+    ),
     "global_batch_not_divisible": (
-        2, ["--training.global_batch_size", "3"],
-        ["training.global_batch_size=3", "not divisible", "data-parallel degree 2"]),
+        2,
+        ["--training.global_batch_size", "3"],
+        ["training.global_batch_size=3", "not divisible", "data-parallel degree 2"],
+    ),
     "missing_dataset": (
-        None, ["--training.dataset_path", "/nonexistent.jsonl"],
-        ["training.dataset_path='/nonexistent.jsonl'", "does not exist"]),
+        None,
+        ["--training.dataset_path", "/nonexistent.jsonl"],
+        ["training.dataset_path='/nonexistent.jsonl'", "does not exist"],
+    ),
     # Two ranks: rank 1 waits for local rank 0 to prepare the file, and reports what it found.
     "malformed_jsonl": (2, ["--training.dataset_path", "{malformed}"], ["malformed JSON", "{malformed}", "line 2"]),
     # An OS error on a configured path (here a cache directory that is a file) names the key.
     "cache_dir_is_a_file": (
-        None, ["--training.dataset_path", "{malformed}", "--training.dataset_cache_dir", "{malformed}"],
-        ["training.dataset_cache_dir = '{malformed}'", "{malformed}"]),
+        None,
+        ["--training.dataset_path", "{malformed}", "--training.dataset_cache_dir", "{malformed}"],
+        ["training.dataset_cache_dir = '{malformed}'", "{malformed}"],
+    ),
     "context_parallel_not_dividing_world": (
-        2, ["--parallelism.context_parallel_degree", "3"],
-        ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"]),
-    "unknown_key": (None, ["--training.lr", "0.1"], ["unknown config key 'training.lr'", "did you mean 'optimizer.lr'"]),
+        2,
+        ["--parallelism.context_parallel_degree", "3"],
+        ["world size 2", "not divisible", "parallelism.context_parallel_degree (3)"],
+    ),
+    "unknown_key": (
+        None,
+        ["--training.lr", "0.1"],
+        ["unknown config key 'training.lr'", "did you mean 'optimizer.lr'"],
+    ),
     "misspelled_key": (None, ["--training.step", "5"], ["unknown config key 'training.step'", "'training.steps'"]),
     "rl_loss_in_sft": (2, ["--loss.loss_fn", "ppo"], ["loss.loss_fn: 'ppo' needs advantages and sampler log-probs"]),
     "clip_low_at_one": (None, ["--loss.loss_fn", "ppo", "--loss.clip_low", "1"], ["loss.clip_low: must be in [0, 1)"]),
     "clip_for_cross_entropy": (
-        None, ["--loss.clip_high", "0.28"], ["loss.clip_high: not an option of loss_fn 'cross_entropy'"]),
+        None,
+        ["--loss.clip_high", "0.28"],
+        ["loss.clip_high: not an option of loss_fn 'cross_entropy'"],
+    ),
     # GRPO
     "grpo_prompts_not_divisible": (
-        2, [*GRPO, "--rl.prompts_per_step", "3"],
-        ["rl.prompts_per_step=3", "not divisible by the data-parallel degree 2"]),
+        2,
+        [*GRPO, "--rl.prompts_per_step", "3"],
+        ["rl.prompts_per_step=3", "not divisible by the data-parallel degree 2"],
+    ),
     "grpo_unknown_stop_token": (
-        None, [*GRPO, "--generation.stop_tokens", "<|nope|>"], ["generation.stop_tokens: '<|nope|>' is not a special token"]),
+        None,
+        [*GRPO, "--generation.stop_tokens", "<|nope|>"],
+        ["generation.stop_tokens: '<|nope|>' is not a special token"],
+    ),
     "grpo_malformed_jsonl": (
-        None, [*GRPO, "--rl.task", "jsonl", "--rl.task_path", "{malformed}"], ["{malformed}:1", "missing 'answer'"]),
+        None,
+        [*GRPO, "--rl.task", "jsonl", "--rl.task_path", "{malformed}"],
+        ["{malformed}:1", "missing 'answer'"],
+    ),
     "grpo_prompt_longer_than_seq_len": (
-        None, [*GRPO, "--training.seq_len", "16"], ["arithmetic train #0", "does not fit training.seq_len=16"]),
+        None,
+        [*GRPO, "--training.seq_len", "16"],
+        ["arithmetic train #0", "does not fit training.seq_len=16"],
+    ),
 }
 CONFIG_ERRORS = {"unknown_key", "misspelled_key", "clip_low_at_one", "clip_for_cross_entropy"}
 

@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import tokenizers
-from reference import launch_env
 from tokenizers import models, pre_tokenizers, trainers
 
+from reference import launch_env
 from torchtitan_rl.tensorboard_io import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,11 +26,33 @@ MIN_ACCURACY = 0.4
 
 def test_vlm_shapes_recipe_learns_colours_on_two_ranks(tmp_path):
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         "--job.config_file", "train_configs/vlm_shapes.toml", "--job.dump_folder", str(tmp_path),
-         "--training.steps", str(STEPS), "--checkpoint.enable", "true", "--checkpoint.last_save_model_only", "true",
-         "--checkpoint.last_save_in_hf", "true", "--metrics.log_freq", "10"],
-        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "train.py",
+            "--job.config_file",
+            "train_configs/vlm_shapes.toml",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            str(STEPS),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.last_save_model_only",
+            "true",
+            "--checkpoint.last_save_in_hf",
+            "true",
+            "--metrics.log_freq",
+            "10",
+        ],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     scalars = read_scalars(str(tmp_path / "tb"))
@@ -40,9 +62,18 @@ def test_vlm_shapes_recipe_learns_colours_on_two_ranks(tmp_path):
     assert scalars["data/num_images"][STEPS] > STEPS
     assert 1.0 <= scalars["data/dp_cost_imbalance"][STEPS] < 2.0
     evaluation = subprocess.run(
-        [sys.executable, "scripts/eval_vlm_shapes.py", str(tmp_path / "checkpoint" / f"step-{STEPS}"),
-         "--questions", "60"],
-        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "scripts/eval_vlm_shapes.py",
+            str(tmp_path / "checkpoint" / f"step-{STEPS}"),
+            "--questions",
+            "60",
+        ],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert evaluation.returncode == 0, evaluation.stderr[-4000:]
     result = json.loads(evaluation.stdout.strip().splitlines()[-1])
@@ -52,9 +83,20 @@ def test_vlm_shapes_recipe_learns_colours_on_two_ranks(tmp_path):
 
 # The added tokens of a stock Qwen3 tokenizer.json up to its vision specials: no [IMG] tokens.
 QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 
 
@@ -62,17 +104,35 @@ def test_a_qwen_tokenizer_without_pixtral_tokens_trains_the_vlm_unedited(tmp_pat
     # A byte-level BPE like Qwen's, small enough for the debug model's 512 embeddings.
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN_SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=QWEN_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(["What colour is the circle?", "The square is red.", "3 + 4 = 7"], trainer=trainer)
     assert tokenizer.token_to_id("[IMG]") is None and tokenizer.get_vocab_size() <= 512
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     steps = 2
     run = subprocess.run(
-        [sys.executable, "train.py", "--job.config_file", "train_configs/vlm_shapes.toml",
-         "--job.dump_folder", str(tmp_path / "run"), "--model.hf_assets_path", str(tmp_path),
-         "--training.steps", str(steps), "--training.global_batch_size", "4", "--metrics.log_freq", "1"],
-        cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "train.py",
+            "--job.config_file",
+            "train_configs/vlm_shapes.toml",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+            "--model.hf_assets_path",
+            str(tmp_path),
+            "--training.steps",
+            str(steps),
+            "--training.global_batch_size",
+            "4",
+            "--metrics.log_freq",
+            "1",
+        ],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
     # The default run says nothing about torchdata's internals.

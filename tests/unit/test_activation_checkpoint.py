@@ -21,8 +21,15 @@ from torchtitan_rl.recipes.base import build_model
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
-    vocab_size=64, dim=32, n_layers=5, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
-    max_seq_len=64, attn_backend="sdpa_dense",
+    vocab_size=64,
+    dim=32,
+    n_layers=5,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=48,
+    max_seq_len=64,
+    attn_backend="sdpa_dense",
 )
 # A budget of 16 tokens packs these samples into three micro-batches.
 BUDGET = 16
@@ -37,7 +44,12 @@ def single_rank() -> ParallelDims:
 
 def build(ac_mode: str, ac_every: int = 1):
     return build_model(
-        ARGS, parallel_dims=single_rank(), device=CPU, seed=0, param_dtype=torch.float32, ac_mode=ac_mode,
+        ARGS,
+        parallel_dims=single_rank(),
+        device=CPU,
+        seed=0,
+        param_dtype=torch.float32,
+        ac_mode=ac_mode,
         ac_every=ac_every,
     )
 
@@ -59,8 +71,10 @@ def count_forwards(model) -> tuple[list[int], list[int]]:
     """
     block_runs, model_runs = [0] * len(model.blocks()), [0]
     for i, block in enumerate(model.blocks()):
+
         def count(module, args, i=i):
             block_runs[i] += 1
+
         block.attention_norm.register_forward_pre_hook(count)
     model.norm.register_forward_pre_hook(lambda module, args: model_runs.__setitem__(0, model_runs[0] + 1))
     return block_runs, model_runs

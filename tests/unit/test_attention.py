@@ -23,10 +23,7 @@ def pack(lengths, device="cpu"):
 def random_qkv(num_tokens, device="cpu", dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
     shapes = [(num_tokens, N_HEADS, HEAD_DIM)] + [(num_tokens, N_KV_HEADS, HEAD_DIM)] * 2
-    return [
-        torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_()
-        for s in shapes
-    ]
+    return [torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
 
 
 def naive_causal_attention(q, k, v):
@@ -43,9 +40,7 @@ def naive_causal_attention(q, k, v):
 
 def per_sequence_reference(q, k, v, lengths):
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
-    return torch.cat(
-        [naive_causal_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])]
-    )
+    return torch.cat([naive_causal_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])])
 
 
 def output_and_grads(fn, q, k, v, upstream):
@@ -62,9 +57,7 @@ def test_packed_matches_each_sequence_alone(backend):
     context = build_attention_context(backend, seq_ids, positions)
 
     out, grads = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
-    ref_out, ref_grads = output_and_grads(
-        lambda *x: per_sequence_reference(*x, LENGTHS), q, k, v, upstream
-    )
+    ref_out, ref_grads = output_and_grads(lambda *x: per_sequence_reference(*x, LENGTHS), q, k, v, upstream)
 
     torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
     for grad, ref_grad in zip(grads, ref_grads):
@@ -78,9 +71,7 @@ def test_sdpa_loop_matches_sdpa_dense():
     results = {}
     for backend in CPU_BACKENDS:
         context = build_attention_context(backend, seq_ids, positions)
-        results[backend] = output_and_grads(
-            lambda *x: packed_attention(*x, context), q, k, v, upstream
-        )
+        results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
     (loop_out, loop_grads), (dense_out, dense_grads) = results["sdpa_loop"], results["sdpa_dense"]
     torch.testing.assert_close(loop_out, dense_out, rtol=1e-5, atol=1e-6)
     for a, b in zip(loop_grads, dense_grads):
@@ -214,14 +205,10 @@ def test_gradients_flow_to_permuted_keys(backend):
     num_tokens = seq_ids.numel()
     q, k, v = random_qkv(num_tokens, seed=7)
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(8))
-    _, ref_grads = output_and_grads(
-        lambda *x: per_sequence_reference(*x, LENGTHS), q, k, v, upstream
-    )
+    _, ref_grads = output_and_grads(lambda *x: per_sequence_reference(*x, LENGTHS), q, k, v, upstream)
 
     perm = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(9))
-    context = build_attention_context(
-        backend, seq_ids[perm], positions[perm], seq_ids[perm], positions[perm]
-    )
+    context = build_attention_context(backend, seq_ids[perm], positions[perm], seq_ids[perm], positions[perm])
     _, grads = output_and_grads(
         lambda q_, k_, v_: packed_attention(q_[perm], k_[perm], v_[perm], context),
         q,
@@ -263,9 +250,7 @@ def test_flex_matches_sdpa_dense_on_cuda(lengths):
     results = {}
     for backend in ("flex", "sdpa_dense"):
         context = build_attention_context(backend, seq_ids, positions)
-        results[backend] = output_and_grads(
-            lambda *x: packed_attention(*x, context), q, k, v, upstream
-        )
+        results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
     (flex_out, flex_grads), (dense_out, dense_grads) = results["flex"], results["sdpa_dense"]
     torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
     for a, b in zip(flex_grads, dense_grads):
@@ -327,9 +312,7 @@ def naive_bidirectional_attention(q, k, v):
 
 def per_sequence_bidirectional_reference(q, k, v, lengths):
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
-    return torch.cat(
-        [naive_bidirectional_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])]
-    )
+    return torch.cat([naive_bidirectional_attention(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds, bounds[1:])])
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -377,9 +360,7 @@ def test_non_causal_keys_in_any_order_and_query_subset(backend):
 def test_non_causal_dense_mask_is_block_diagonal():
     seq_ids, positions = pack([3, 1, 2])
     mask = build_attention_context("sdpa_dense", seq_ids, positions, causal=False).dense_mask
-    expected = torch.block_diag(
-        torch.ones(3, 3), torch.ones(1, 1), torch.ones(2, 2)
-    ).to(torch.bool)
+    expected = torch.block_diag(torch.ones(3, 3), torch.ones(1, 1), torch.ones(2, 2)).to(torch.bool)
     assert torch.equal(mask, expected)
 
 

@@ -35,6 +35,7 @@ class ScriptedClock:
         def run():
             self.calls.append(name)
             self.now += self.durations[name].pop(0)
+
         return run
 
 
@@ -46,14 +47,16 @@ def test_alternating_order_reverses_every_other_round():
 def test_time_alternating_takes_the_median_of_the_rounds_after_the_warmup():
     # The warm-up round costs 100 (compilation, caches) and must not count.
     clock = ScriptedClock({"a": [100, 1, 5, 3], "b": [100, 2, 2, 8]})
-    medians = bench.time_alternating({"a": clock.variant("a"), "b": clock.variant("b")}, rounds=3, warmup=1,
-                                     clock=clock)
+    medians = bench.time_alternating(
+        {"a": clock.variant("a"), "b": clock.variant("b")}, rounds=3, warmup=1, clock=clock
+    )
     assert clock.calls == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert medians == {"a": sorted([1, 5, 3])[1], "b": sorted([2, 2, 8])[1]}
     # Without a warm-up every round counts: an even count takes the mean of the middle two.
     clock = ScriptedClock({"a": [4, 1], "b": [10, 30]})
-    assert bench.time_alternating({"a": clock.variant("a"), "b": clock.variant("b")}, rounds=2, warmup=0,
-                                  clock=clock) == {"a": 2.5, "b": 20}
+    assert bench.time_alternating(
+        {"a": clock.variant("a"), "b": clock.variant("b")}, rounds=2, warmup=0, clock=clock
+    ) == {"a": 2.5, "b": 20}
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         bench.time_alternating({"a": clock.variant("a")}, rounds=0)
 
@@ -65,6 +68,7 @@ def test_collect_alternating_keeps_every_round_in_order():
         def run():
             calls.append(name)
             return f"{name}{calls.count(name)}"
+
         return run
 
     results = bench.collect_alternating({"x": variant("x"), "y": variant("y")}, rounds=3)
@@ -102,8 +106,9 @@ def test_publish_rewrites_the_page_and_keeps_its_notes(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "machine_line", lambda: "a test machine")
     bench.publish(_args(page), "Demo", "What the demo measures.", ["| a |", "|---|", "| 1 |"])
     first = page.read_text()
-    assert first.startswith("# Demo\n\nWhat the demo measures.\n\n"
-                            "Command: `python scripts/benchmark_demo.py --rounds 3`")
+    assert first.startswith(
+        "# Demo\n\nWhat the demo measures.\n\nCommand: `python scripts/benchmark_demo.py --rounds 3`"
+    )
     assert "on a test machine." in first and "| 1 |" in first and "## Notes" not in first
 
     # A maintainer adds notes (with a sub-section); the next run replaces the body only.
@@ -128,23 +133,36 @@ def test_render_page_refuses_a_notes_heading_in_the_body():
 
 
 def test_command_line_leaves_out_the_publishing_options():
-    argv = [str(bench.ROOT) + "/scripts/benchmark_x.py", "--no-write", "--page", "/tmp/p.md", "--steps", "5",
-            "--page=/tmp/q.md", "--label", "two words"]
+    argv = [
+        str(bench.ROOT) + "/scripts/benchmark_x.py",
+        "--no-write",
+        "--page",
+        "/tmp/p.md",
+        "--steps",
+        "5",
+        "--page=/tmp/q.md",
+        "--label",
+        "two words",
+    ]
     assert bench.command_line(argv) == "python scripts/benchmark_x.py --steps 5 --label 'two words'"
 
 
 def test_index_lists_every_page_with_its_summary(tmp_path):
-    (tmp_path / "zeta.md").write_text("# Zeta bench\n\nMeasures zeta,\nover two lines.\n\n"
-                                      "Command: `python scripts/benchmark_zeta.py --steps 3`\n")
-    (tmp_path / "alpha.md").write_text("# Alpha bench\n\nMeasures alpha.\n\nCommand: `python scripts/alpha.py`\n\n"
-                                       "## Notes\n\nmore\n")
+    (tmp_path / "zeta.md").write_text(
+        "# Zeta bench\n\nMeasures zeta,\nover two lines.\n\nCommand: `python scripts/benchmark_zeta.py --steps 3`\n"
+    )
+    (tmp_path / "alpha.md").write_text(
+        "# Alpha bench\n\nMeasures alpha.\n\nCommand: `python scripts/alpha.py`\n\n## Notes\n\nmore\n"
+    )
     (tmp_path / "beta.md").write_text("# Beta bench\n\nMeasured by hand.\n")
     (tmp_path / bench.INDEX).write_text("stale")
     bench.write_index(str(tmp_path))
     index = (tmp_path / bench.INDEX).read_text()
     rows = [line for line in index.splitlines() if line.startswith("| [")]
-    assert rows == ["| [Alpha bench](alpha.md) | `scripts/alpha.py` | Measures alpha. |",
-                    "| [Beta bench](beta.md) | — | Measured by hand. |",
-                    "| [Zeta bench](zeta.md) | `scripts/benchmark_zeta.py` | Measures zeta, over two lines. |"]
+    assert rows == [
+        "| [Alpha bench](alpha.md) | `scripts/alpha.py` | Measures alpha. |",
+        "| [Beta bench](beta.md) | — | Measured by hand. |",
+        "| [Zeta bench](zeta.md) | `scripts/benchmark_zeta.py` | Measures zeta, over two lines. |",
+    ]
     with pytest.raises(ValueError, match="starts with a '# title' line"):
         bench.summary_of("no title\n")

@@ -1,6 +1,6 @@
 import pytest
-from test_tokenizer import make_hf_tokenizer_dir
 
+from test_tokenizer import make_hf_tokenizer_dir
 from torchtitan_rl.data.chat import (
     insert_placeholders,
     render_chat,
@@ -226,17 +226,25 @@ def test_insert_placeholders_never_trains_image_tokens():
 def test_relative_image_paths_resolve_against_the_rows_directory(tmp_path):
     row = {
         "messages": [
-            {"role": "user", "content": [
-                {"type": "image", "image": "img/1.png"},
-                {"type": "image", "image": "/abs/2.png"},
-                {"type": "image", "image": {"bytes": None, "path": "img/3.png"}},
-                {"type": "image", "path": "4.png"},
-            ]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": "img/1.png"},
+                    {"type": "image", "image": "/abs/2.png"},
+                    {"type": "image", "image": {"bytes": None, "path": "img/3.png"}},
+                    {"type": "image", "path": "4.png"},
+                ],
+            },
             {"role": "assistant", "content": "ok"},
         ]
     }
     sources = [i.source for i in tokenize_row_with_images(row, ByteTokenizer(), base_dir=str(tmp_path)).images]
-    assert sources == [str(tmp_path / "img/1.png"), "/abs/2.png", {"bytes": None, "path": str(tmp_path / "img/3.png")}, str(tmp_path / "4.png")]
+    assert sources == [
+        str(tmp_path / "img/1.png"),
+        "/abs/2.png",
+        {"bytes": None, "path": str(tmp_path / "img/3.png")},
+        str(tmp_path / "4.png"),
+    ]
     # No base directory (in-memory rows): relative to the working directory, i.e. left as given.
     assert tokenize_row_with_images(row, ByteTokenizer()).images[0].source == "img/1.png"
 
@@ -247,18 +255,35 @@ def test_relative_image_paths_resolve_against_the_rows_directory(tmp_path):
         ({"text": "<image><image>", "images": ["a.png"]}, "2 '<image>' markers but its 'images' list has 1"),
         ({"text": "no marker", "images": ["a.png"]}, "0 '<image>' markers but its 'images' list has 1"),
         ({"text": "<image>", "images": "a.png"}, "'images' must be a list"),
-        ({"prompt": "q", "completion": "<image>", "images": ["a.png"]}, "completion, images[0]: an image in text the model learns"),
         (
-            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]}]},
+            {"prompt": "q", "completion": "<image>", "images": ["a.png"]},
+            "completion, images[0]: an image in text the model learns",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": [{"type": "image", "image": "a.png"}]},
+                ]
+            },
             "message 1 part 0: an image in text the model learns",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "images": ["b.png"]},
             "both a top-level 'images' list and content parts",
         ),
-        ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}]}, "message 0: every content part"),
-        ({"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x"}]}]}, "an image part needs an 'image'"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "a text part needs a string 'text'"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}]},
+            "message 0: every content part",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "url": "http://x"}]}]},
+            "an image part needs an 'image'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+            "a text part needs a string 'text'",
+        ),
     ],
 )
 def test_invalid_image_rows_name_the_cause(row, reason):

@@ -22,12 +22,25 @@ from torchtitan_rl.recipes.base import build_model
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
-    vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
-    rope_theta=10_000.0, max_seq_len=64, attn_backend="sdpa_dense",
+    vocab_size=64,
+    dim=32,
+    n_layers=1,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=48,
+    rope_theta=10_000.0,
+    max_seq_len=64,
+    attn_backend="sdpa_dense",
 )
 # A dense layer then an MoE layer of 4 experts, top-2.
 MOE_ARGS = dataclasses.replace(
-    ARGS, n_layers=2, num_experts=4, num_experts_per_tok=2, moe_hidden_dim=16, norm_topk_prob=True,
+    ARGS,
+    n_layers=2,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_hidden_dim=16,
+    norm_topk_prob=True,
     mlp_only_layers=(0,),
 )
 RTOL = 1e-5
@@ -64,7 +77,14 @@ def gradients(model, batch, budget: int) -> dict[str, torch.Tensor]:
     # MoE: router losses on, so the router statistics' gradients pass the compiled graphs too
     # (per-sequence balance: the global one adds a no-grad counting pass, compiled separately).
     router = RouterLossConfig(0.01, "sequence", "pooled", 0.001) if model.args.is_moe else None
-    options = EngineOptions(reduction="token_mean", horizon=32, max_tokens_per_microbatch=budget, logits_chunk_size=8, max_norm=0.0, router=router)
+    options = EngineOptions(
+        reduction="token_mean",
+        horizon=32,
+        max_tokens_per_microbatch=budget,
+        logits_chunk_size=8,
+        max_norm=0.0,
+        router=router,
+    )
     engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=single_rank(), device=CPU, options=options)
     model.zero_grad(set_to_none=True)
     engine.forward_backward(batch)
@@ -72,7 +92,15 @@ def gradients(model, batch, budget: int) -> dict[str, torch.Tensor]:
 
 
 def build(args, backend=None, ac_mode: str = "none"):
-    return build_model(args, parallel_dims=single_rank(), device=CPU, seed=0, param_dtype=torch.float32, ac_mode=ac_mode, compile_backend=backend)
+    return build_model(
+        args,
+        parallel_dims=single_rank(),
+        device=CPU,
+        seed=0,
+        param_dtype=torch.float32,
+        ac_mode=ac_mode,
+        compile_backend=backend,
+    )
 
 
 def assert_rel_close(actual: dict, expected: dict, what: str) -> None:

@@ -2,7 +2,6 @@ import dataclasses
 import inspect
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
 
@@ -86,8 +85,17 @@ def test_negative_int_is_a_value_not_a_flag():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("true", True), ("True", True), ("1", True), ("yes", True), ("YES", True),
-     ("false", False), ("FALSE", False), ("0", False), ("no", False)],
+    [
+        ("true", True),
+        ("True", True),
+        ("1", True),
+        ("yes", True),
+        ("YES", True),
+        ("false", False),
+        ("FALSE", False),
+        ("0", False),
+        ("no", False),
+    ],
 )
 def test_cli_booleans(text, expected):
     assert parse("--debug.deterministic", text).debug.deterministic is expected
@@ -149,11 +157,18 @@ def test_toml_wrong_type(tmp_path, toml, key):
 def test_literal_not_allowed_lists_choices(tmp_path):
     assert_error(
         ["--model.attn_backend", "flash"],
-        "model.attn_backend", "'flash'", "'auto'", "'sdpa_dense'", "'sdpa_loop'", "'flex'",
+        "model.attn_backend",
+        "'flash'",
+        "'auto'",
+        "'sdpa_dense'",
+        "'sdpa_loop'",
+        "'flex'",
     )
     assert_error(
         ["--job.config_file", write(tmp_path, '[loss]\nreduction = "mean"\n')],
-        "loss.reduction", "'token_mean'", "'token_mean_legacy'",
+        "loss.reduction",
+        "'token_mean'",
+        "'token_mean_legacy'",
     )
 
 
@@ -185,7 +200,7 @@ class Lists:
     floats: list[float] = field(default_factory=list)
     """Some floats."""
 
-    maybe: Optional[list[int]] = None
+    maybe: list[int] | None = None
     """Maybe some ints."""
 
 
@@ -403,11 +418,7 @@ def _docstrings_by_regex() -> dict[str, str]:
 
 def test_every_field_has_a_docstring():
     docs = _docstrings_by_regex()
-    expected = {
-        f"{s.name}.{k.name}"
-        for s in dataclasses.fields(JobConfig)
-        for k in dataclasses.fields(s.type)
-    }
+    expected = {f"{s.name}.{k.name}" for s in dataclasses.fields(JobConfig) for k in dataclasses.fields(s.type)}
     assert set(docs) == expected
     assert all(doc.strip() for doc in docs.values())
 
@@ -448,16 +459,26 @@ def test_config_to_dict():
 def test_resolved_config_round_trip(tmp_path):
     recipe = write(tmp_path, '[training]\nsteps = 11\n[model]\nflavor = "1.7B"\n')
     cfg = parse(
-        "--job.config_file", recipe,
-        "--job.description", 'quote " backslash \\ newline \n tab \t del \x7f ünï',
-        "--loss.horizon", "300",
-        "--loss.reduction", "seq_mean_token_sum_norm",
-        "--loss.loss_fn", "ppo",
-        "--loss.dual_clip_c", "3",
-        "--metrics.enable_tensorboard", "false",
-        "--optimizer.eps", "1e-12",
-        "--optimizer.lr", "3",
-        "--parallelism.data_parallel_shard_degree", "2",
+        "--job.config_file",
+        recipe,
+        "--job.description",
+        'quote " backslash \\ newline \n tab \t del \x7f ünï',
+        "--loss.horizon",
+        "300",
+        "--loss.reduction",
+        "seq_mean_token_sum_norm",
+        "--loss.loss_fn",
+        "ppo",
+        "--loss.dual_clip_c",
+        "3",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--optimizer.eps",
+        "1e-12",
+        "--optimizer.lr",
+        "3",
+        "--parallelism.data_parallel_shard_degree",
+        "2",
     )
     out = str(tmp_path / "dump" / "config.toml")
     write_resolved_config(cfg, out)

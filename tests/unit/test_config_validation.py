@@ -17,7 +17,8 @@ from torchtitan_rl.models.vlm.args import vlm_flavors
 def test_max_tokens_per_microbatch_vs_seq_len():
     assert_error(
         ["--training.seq_len", "128", "--training.max_tokens_per_microbatch", "127"],
-        "training.max_tokens_per_microbatch", "training.seq_len",
+        "training.max_tokens_per_microbatch",
+        "training.seq_len",
     )
     ok = parse("--training.seq_len", "128", "--training.max_tokens_per_microbatch", "128")
     assert ok.training.max_tokens_per_microbatch == 128
@@ -44,8 +45,12 @@ def test_known_flavors(flavor):
 
 def test_hf_flavor_needs_a_directory_with_config_json():
     assert parse("--model.flavor", "hf", "--model.hf_assets_path", "assets/x").model.flavor == "hf"
-    assert parse("--model.flavor", "hf", "--checkpoint.initial_load_path", "hf/x", "--checkpoint.initial_load_in_hf",
-                 "true").model.flavor == "hf"
+    assert (
+        parse(
+            "--model.flavor", "hf", "--checkpoint.initial_load_path", "hf/x", "--checkpoint.initial_load_in_hf", "true"
+        ).model.flavor
+        == "hf"
+    )
     assert_error(["--model.flavor", "hf"], "model.flavor: 'hf' takes the architecture from the config.json")
 
 
@@ -54,47 +59,89 @@ def test_unknown_flavor():
 
 
 def test_vlm_flavors_and_settings():
-    cfg = parse("--model.name", "vlm", "--model.flavor", "0.6B", "--training.max_patches_per_microbatch", "1024",
-                "--model.freeze_vision", "true")
+    cfg = parse(
+        "--model.name",
+        "vlm",
+        "--model.flavor",
+        "0.6B",
+        "--training.max_patches_per_microbatch",
+        "1024",
+        "--model.freeze_vision",
+        "true",
+    )
     assert (cfg.model.name, cfg.model.flavor, cfg.model.freeze_vision) == ("vlm", "0.6B", True)
-    assert_error(["--model.name", "vlm", "--model.flavor", "8B"], "model.flavor", "'8B'", "'vlm'", "'debugmodel'", "'0.6B'")
+    assert_error(
+        ["--model.name", "vlm", "--model.flavor", "8B"], "model.flavor", "'8B'", "'vlm'", "'debugmodel'", "'0.6B'"
+    )
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["--model.freeze_vision", "true"], ["model.freeze_vision", "only used by a vision-language model"]),
-    (["--training.max_image_tokens", "64"], ["training.max_image_tokens", "model.name = 'vlm'"]),
-    (["--model.image_token", "<img>"], ["model.image_token", "only used by a vision-language model"]),
-    (["--model.name", "vlm", "--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.global_batch_size", "8"],
-     ["model.name", "job.recipe = 'sft' only"]),
-    (["--model.name", "vlm", "--training.max_patches_per_microbatch", "100"],
-     ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"]),
-    (["--model.name", "vlm", "--model.image_break_token", "[IMG]"], ["three different non-empty strings"]),
-    (["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.balance_dp_compute", "true"],
-     ["training.balance_dp_compute", "not used by job.recipe = 'grpo'"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--model.freeze_vision", "true"], ["model.freeze_vision", "only used by a vision-language model"]),
+        (["--training.max_image_tokens", "64"], ["training.max_image_tokens", "model.name = 'vlm'"]),
+        (["--model.image_token", "<img>"], ["model.image_token", "only used by a vision-language model"]),
+        (
+            [
+                "--model.name",
+                "vlm",
+                "--job.recipe",
+                "grpo",
+                "--loss.loss_fn",
+                "ppo",
+                "--training.global_batch_size",
+                "8",
+            ],
+            ["model.name", "job.recipe = 'sft' only"],
+        ),
+        (
+            ["--model.name", "vlm", "--training.max_patches_per_microbatch", "100"],
+            ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"],
+        ),
+        (["--model.name", "vlm", "--model.image_break_token", "[IMG]"], ["three different non-empty strings"]),
+        (
+            ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.balance_dp_compute", "true"],
+            ["training.balance_dp_compute", "not used by job.recipe = 'grpo'"],
+        ),
+    ],
+)
 def test_vision_settings_fail_closed(argv, fragments):
     assert_error(argv, *fragments)
 
 
 def test_moe_settings():
-    cfg = parse("--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "0.01", "--moe.aux_loss_scope", "sequence",
-                "--moe.z_loss_coef", "1e-3", "--moe.experts_impl", "loop")
+    cfg = parse(
+        "--model.flavor",
+        "debugmodel_moe",
+        "--moe.aux_loss_coef",
+        "0.01",
+        "--moe.aux_loss_scope",
+        "sequence",
+        "--moe.z_loss_coef",
+        "1e-3",
+        "--moe.experts_impl",
+        "loop",
+    )
     assert (cfg.moe.aux_loss_coef, cfg.moe.aux_loss_scope, cfg.moe.experts_impl) == (0.01, "sequence", "loop")
     for flavor in ("30B-A3B", "235B-A22B"):
         assert parse("--model.flavor", flavor).model.flavor == flavor
 
 
-@pytest.mark.parametrize("argv, fragments", [
-    (["--moe.aux_loss_coef", "0.01"], ["moe.aux_loss_coef", "model.flavor='debugmodel' has no experts"]),
-    (["--model.flavor", "8B", "--moe.z_loss_coef", "0.001"], ["moe.z_loss_coef", "has no experts"]),
-    (["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"],
-     ["parallelism.expert_parallel_degree", "not supported yet"]),
-    (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_scope", "batch"], ["moe.aux_loss_scope", "'global'"]),
-    (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "-1"], ["moe.aux_loss_coef"]),
-])
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--moe.aux_loss_coef", "0.01"], ["moe.aux_loss_coef", "model.flavor='debugmodel' has no experts"]),
+        (["--model.flavor", "8B", "--moe.z_loss_coef", "0.001"], ["moe.z_loss_coef", "has no experts"]),
+        (
+            ["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"],
+            ["parallelism.expert_parallel_degree", "not supported yet"],
+        ),
+        (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_scope", "batch"], ["moe.aux_loss_scope", "'global'"]),
+        (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "-1"], ["moe.aux_loss_coef"]),
+    ],
+)
 def test_moe_settings_fail_closed(argv, fragments):
     assert_error(argv, *fragments)
-
 
 
 def hf_flavor_settings_error(tmp_path, config: dict, *argv) -> str:
@@ -114,8 +161,14 @@ def test_model_settings_of_the_hf_flavor_name_its_config_json(tmp_path):
     )
     vlm = {**vlm_flavors["debugmodel"].to_hf_config("float32"), "spatial_merge_size": 4}
     message = hf_flavor_settings_error(
-        tmp_path, vlm, "--model.name", "vlm", "--training.max_image_tokens", "16",
-        "--training.max_patches_per_microbatch", "100",
+        tmp_path,
+        vlm,
+        "--model.name",
+        "vlm",
+        "--training.max_image_tokens",
+        "16",
+        "--training.max_patches_per_microbatch",
+        "100",
     )
     assert message == (
         "training.max_patches_per_microbatch: must be 0 or >= 256 so any image fits (training.max_image_tokens=16 "
@@ -129,12 +182,25 @@ def test_model_settings_of_the_hf_flavor_name_its_config_json(tmp_path):
 @pytest.mark.parametrize(
     "argv, fragments",
     [
-        (["--checkpoint.enable", "--checkpoint.last_save_in_hf"], ["checkpoint.last_save_in_hf", "last_save_model_only"]),
+        (
+            ["--checkpoint.enable", "--checkpoint.last_save_in_hf"],
+            ["checkpoint.last_save_in_hf", "last_save_model_only"],
+        ),
         (["--checkpoint.initial_load_in_hf"], ["checkpoint.initial_load_in_hf", "initial_load_path"]),
-        (["--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_in_hf",
-          "--checkpoint.initial_load_model_only", "false"], ["checkpoint.initial_load_model_only", "must be true"]),
-        (["--checkpoint.enable", "--checkpoint.load_step", "11", "--training.steps", "10"],
-         ["checkpoint.load_step", "step 11", "training.steps"]),
+        (
+            [
+                "--checkpoint.initial_load_path",
+                "x",
+                "--checkpoint.initial_load_in_hf",
+                "--checkpoint.initial_load_model_only",
+                "false",
+            ],
+            ["checkpoint.initial_load_model_only", "must be true"],
+        ),
+        (
+            ["--checkpoint.enable", "--checkpoint.load_step", "11", "--training.steps", "10"],
+            ["checkpoint.load_step", "step 11", "training.steps"],
+        ),
         (["--checkpoint.keep_latest_k", "2"], ["checkpoint.keep_latest_k", "checkpoint.enable = true"]),
         (["--checkpoint.async_mode", "async"], ["checkpoint.async_mode", "checkpoint.enable = true"]),
         (["--checkpoint.async_mode", "background"], ["checkpoint.async_mode", "'disabled'", "'async'"]),
@@ -146,9 +212,18 @@ def test_checkpoint_key_combinations(argv, fragments):
 
 
 def test_checkpoint_keys_accepted_together():
-    cfg = parse("--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf",
-                "--checkpoint.export_dtype", "bfloat16", "--checkpoint.initial_load_path", "hf",
-                "--checkpoint.initial_load_in_hf", "--checkpoint.keep_latest_k", "1")
+    cfg = parse(
+        "--checkpoint.enable",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.last_save_in_hf",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--checkpoint.initial_load_path",
+        "hf",
+        "--checkpoint.initial_load_in_hf",
+        "--checkpoint.keep_latest_k",
+        "1",
+    )
     assert (cfg.checkpoint.export_dtype, cfg.checkpoint.keep_latest_k) == ("bfloat16", 1)
 
 
@@ -165,19 +240,33 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
         (["--generation.temperature", "0.7"], ["generation.temperature: only used with job.recipe = 'grpo'"]),
         ([*GRPO, "--training.dataset_path", "x.jsonl"], ["training.dataset_path: not used by job.recipe = 'grpo'"]),
         ([*GRPO, "--training.global_batch_size", "16"], ["training.global_batch_size: not used by job.recipe"]),
-        (["--job.recipe", "grpo"], ["loss.loss_fn: job.recipe = 'grpo' trains on advantages", "ppo", "'cross_entropy'"]),
+        (
+            ["--job.recipe", "grpo"],
+            ["loss.loss_fn: job.recipe = 'grpo' trains on advantages", "ppo", "'cross_entropy'"],
+        ),
         ([*GRPO, "--generation.top_p", "0.9"], ["generation.top_p: truncated sampling", "'ppo'"]),
         ([*GRPO, "--generation.top_k", "5"], ["generation.top_k: truncated sampling"]),
-        ([*GRPO, "--loss.kl_coef", "0.1"], ["loss.kl_coef: the KL penalty needs the reference model", "rl.use_reference"]),
-        ([*GRPO, "--rl.use_reference", "true"], ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"]),
+        (
+            [*GRPO, "--loss.kl_coef", "0.1"],
+            ["loss.kl_coef: the KL penalty needs the reference model", "rl.use_reference"],
+        ),
+        (
+            [*GRPO, "--rl.use_reference", "true"],
+            ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"],
+        ),
         ([*GRPO, "--rl.task", "jsonl"], ["rl.task_path: set it to the .jsonl file"]),
         ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'jsonl'"]),
         ([*GRPO, "--rl.answer_match", "numeric"], ["rl.answer_match: only used with rl.task = 'jsonl'"]),
-        ([*GRPO, "--rl.prompts_per_step", "6", "--rl.num_minibatches", "4"], ["rl.prompts_per_step=6", "rl.num_minibatches=4"]),
+        (
+            [*GRPO, "--rl.prompts_per_step", "6", "--rl.num_minibatches", "4"],
+            ["rl.prompts_per_step=6", "rl.num_minibatches=4"],
+        ),
         ([*GRPO, "--rl.group_size", "1"], ["rl.group_size: must be >= 2"]),
         ([*GRPO, "--generation.temperature", "0"], ["generation.temperature: must be > 0"]),
-        ([*GRPO, "--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_model_only", "false"],
-         ["checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights"]),
+        (
+            [*GRPO, "--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_model_only", "false"],
+            ["checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights"],
+        ),
     ],
 )
 def test_recipe_key_combinations(argv, fragments):
@@ -190,6 +279,17 @@ def test_grpo_recipes_parse():
     assert cfg.job.recipe == "grpo" and cfg.rl.group_size == 16
     cfg = parse("--job.config_file", os.path.join(recipes, "qwen_grpo.toml"))
     assert cfg.rl.use_reference and cfg.loss.kl_coef > 0 and cfg.generation.dtype == "bfloat16"
-    cfg = parse(*GRPO, "--loss.kl_coef", "0.1", "--rl.use_reference", "true", "--rl.task", "jsonl",
-                "--rl.task_path", "x.jsonl", "--rl.answer_match", "numeric")
+    cfg = parse(
+        *GRPO,
+        "--loss.kl_coef",
+        "0.1",
+        "--rl.use_reference",
+        "true",
+        "--rl.task",
+        "jsonl",
+        "--rl.task_path",
+        "x.jsonl",
+        "--rl.answer_match",
+        "numeric",
+    )
     assert cfg.rl.use_reference and cfg.rl.answer_match == "numeric"

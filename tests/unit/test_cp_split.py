@@ -75,9 +75,13 @@ def _sample(n: int, loss_from: int, seed: int) -> Sample:
     ids = torch.randint(3, 50, (n,), generator=gen)
     labels = torch.randint(3, 50, (n,), generator=gen)
     return Sample(
-        input_ids=ids, labels=labels, loss_mask=torch.arange(n) >= loss_from,
-        advantages=torch.randn(n, generator=gen), sampler_logprobs=-torch.rand(n, generator=gen),
-        ref_logprobs=-torch.rand(n, generator=gen), group_id=seed // 2,
+        input_ids=ids,
+        labels=labels,
+        loss_mask=torch.arange(n) >= loss_from,
+        advantages=torch.randn(n, generator=gen),
+        sampler_logprobs=-torch.rand(n, generator=gen),
+        ref_logprobs=-torch.rand(n, generator=gen),
+        group_id=seed // 2,
     )
 
 

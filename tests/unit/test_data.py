@@ -178,14 +178,22 @@ def test_json_rows_keep_file_and_line_and_mixed_content_types(tmp_path):
     # not hold both, the plain reader does.
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "yo"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                {"role": "assistant", "content": "yo"},
+            ]
+        },
     ]
     (tmp_path / "a.jsonl").write_text("\n" + json.dumps(rows[0]) + "\n\n" + json.dumps(rows[1]) + "\n")
     (tmp_path / "b.json").write_text("[\n  " + json.dumps(rows[0]) + ",\n\n  " + json.dumps(rows[1]) + "\n]\n")
     loaded = load_rows("", str(tmp_path), "train", 0, 0)
     assert isinstance(loaded, FileRows) and list(loaded) == rows + rows
     assert [loaded.origin(i) for i in range(4)] == [
-        (str(tmp_path / "a.jsonl"), 2), (str(tmp_path / "a.jsonl"), 4), (str(tmp_path / "b.json"), 2), (str(tmp_path / "b.json"), 4)
+        (str(tmp_path / "a.jsonl"), 2),
+        (str(tmp_path / "a.jsonl"), 4),
+        (str(tmp_path / "b.json"), 2),
+        (str(tmp_path / "b.json"), 4),
     ]
     assert row_where(loaded, 3) == f"dataset row 3 ({tmp_path / 'b.json'}:4)"
     assert row_base_dir(loaded, 0) == str(tmp_path)

@@ -16,7 +16,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import SFTDataLoader, build_sft_dataloader
@@ -29,15 +28,19 @@ REPO = Path(__file__).resolve().parents[2]
 
 # Per-row varying types: 'content' is a string, then a list of parts; a number, a null, unicode.
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
-PARTS = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hé"}]}, {"role": "assistant", "content": "ok"}]}
+PARTS = {
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hé"}]}, {"role": "assistant", "content": "ok"}]
+}
 ODD = {"text": "x", "score": 1.5, "meta": None, "tags": ["a", 2]}
 
 
 def write_sources(folder: Path) -> None:
-    (folder / "a.jsonl").write_text("\n" + json.dumps(CHAT) + "\n\n" + json.dumps(ODD, ensure_ascii=False) + "\n",
-                                    encoding="utf-8")
-    (folder / "b.json").write_text("[\n  " + json.dumps(PARTS, ensure_ascii=False) + ",\n  " + json.dumps(CHAT) + "\n]\n",
-                                   encoding="utf-8")
+    (folder / "a.jsonl").write_text(
+        "\n" + json.dumps(CHAT) + "\n\n" + json.dumps(ODD, ensure_ascii=False) + "\n", encoding="utf-8"
+    )
+    (folder / "b.json").write_text(
+        "[\n  " + json.dumps(PARTS, ensure_ascii=False) + ",\n  " + json.dumps(CHAT) + "\n]\n", encoding="utf-8"
+    )
 
 
 def reference_rows(folder: Path) -> list[tuple[dict, str, int]]:
@@ -85,7 +88,9 @@ def test_prepared_parquet_rows_equal_the_plain_read(tmp_path):
     (marker,) = prepared_files(cache, ".done")
     # datasets' memory-mapped Arrow files sit in the folder named like the marker.
     assert list(Path(str(marker)[: -len(".done")]).rglob("*.arrow"))
-    with pytest.raises(ValueError, match=rf"dataset row 1 \({re.escape(str(data / '0.parquet'))} row 1\): .*no supported format"):
+    with pytest.raises(
+        ValueError, match=rf"dataset row 1 \({re.escape(str(data / '0.parquet'))} row 1\): .*no supported format"
+    ):
         next(SFTDataLoader(rows, TOKENIZER, 16, 3, "drop", 0, 0, 1))
 
 
@@ -107,7 +112,9 @@ def test_a_damaged_parquet_shard_is_named(tmp_path, damage):
     with pytest.raises((pa.ArrowException, OSError)):  # the premise: pyarrow itself rejects the shard
         pq.read_table(shard)
     for cache_dir in [str(tmp_path / "cache"), None]:
-        with pytest.raises(ValueError, match=rf"dataset file '{re.escape(str(shard))}' is damaged or not a parquet file"):
+        with pytest.raises(
+            ValueError, match=rf"dataset file '{re.escape(str(shard))}' is damaged or not a parquet file"
+        ):
             load_rows("", str(data), "train", 0, 0, cache_dir=cache_dir)
 
 
@@ -120,7 +127,9 @@ def test_second_load_reuses_and_an_edited_file_invalidates(tmp_path, caplog):
     written = first.stat().st_mtime_ns
     with caplog.at_level(logging.INFO, logger="torchtitan_rl.data.row_cache"):
         again = load_rows("", str(data), "train", 0, 0, cache_dir=str(cache))
-    assert first.stat().st_mtime_ns == written and any("re-using" in r.message and str(first) in r.message for r in caplog.records)
+    assert first.stat().st_mtime_ns == written and any(
+        "re-using" in r.message and str(first) in r.message for r in caplog.records
+    )
     assert len(again) == 4
 
     with open(data / "a.jsonl", "a", encoding="utf-8") as f:
@@ -150,8 +159,14 @@ def test_concurrent_preparation_by_processes_gives_one_valid_file(tmp_path):
     (data / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE")}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _LOAD_AND_PRINT, str(data), str(cache)], cwd=REPO, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env, LOCAL_RANK=local_rank))
+        subprocess.Popen(
+            [sys.executable, "-c", _LOAD_AND_PRINT, str(data), str(cache)],
+            cwd=REPO,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=dict(env, LOCAL_RANK=local_rank),
+        )
         for local_rank in ("1", "0", "0")
     ]
     for proc in procs:
@@ -170,8 +185,10 @@ def test_racing_writers_leave_one_complete_file(tmp_path):
         both_writing.wait(timeout=10)
         Path(path).write_text(f"complete {threading.get_ident()}")
 
-    threads = [threading.Thread(target=lambda: results.append(prepare_once(str(tmp_path), "x.arrow", write, 10)))
-               for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(prepare_once(str(tmp_path), "x.arrow", write, 10)))
+        for _ in range(2)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -195,7 +212,9 @@ def test_errors_name_file_and_line_on_every_local_rank(tmp_path, monkeypatch):
         load_rows("", str(data), "train", 0, 0, cache_dir=str(cache), cache_timeout_s=0.1)
     monkeypatch.setenv("LOCAL_RANK", "0")
     rows = load_rows("", str(data), "train", 0, 0, cache_dir=str(cache))
-    with pytest.raises(ValueError, match=rf"dataset row 1 \({re.escape(str(data / 'bad.jsonl'))}:3\): .*no supported format"):
+    with pytest.raises(
+        ValueError, match=rf"dataset row 1 \({re.escape(str(data / 'bad.jsonl'))}:3\): .*no supported format"
+    ):
         next(SFTDataLoader(rows, TOKENIZER, 16, 2, "drop", 0, 0, 1))
 
 
@@ -203,8 +222,15 @@ def test_errors_name_file_and_line_on_every_local_rank(tmp_path, monkeypatch):
 
 # 4 + 3*(i % 5) text bytes + EOS: with seq_len 12 some rows are dropped, the last is too short.
 STREAM_ROWS = [{"text": f"r{i:03d}" + "x" * (3 * (i % 5))} for i in range(13)] + [{"text": ""}]
-KWARGS = dict(seq_len=12, global_batch_size=4, long_sample_policy="drop", seed=3, batch_rank=1, batch_degree=2,
-              balance_dp_compute=True)
+KWARGS = dict(
+    seq_len=12,
+    global_batch_size=4,
+    long_sample_policy="drop",
+    seed=3,
+    batch_rank=1,
+    batch_degree=2,
+    balance_dp_compute=True,
+)
 
 
 def as_lists(batch):

@@ -11,16 +11,16 @@ import random
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
-from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from reference import minibatch_loss
 from torchtitan_rl.data.packing import plan_microbatches
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
-from reference import minibatch_loss
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_TOKENS
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -51,7 +51,13 @@ def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, ste
     model = build_model(args, parallel_dims=dims, device=CPU, seed=seed, param_dtype=torch.float32)
     optimizer = build_optimizer(model, LR, BETAS[0], BETAS[1], EPS, WD)
     scheduler = build_lr_scheduler(optimizer, steps, warmup, "linear", 0.1)
-    options = EngineOptions(reduction=reduction, horizon=HORIZON, max_tokens_per_microbatch=max_tokens, logits_chunk_size=chunk, max_norm=max_norm)
+    options = EngineOptions(
+        reduction=reduction,
+        horizon=HORIZON,
+        max_tokens_per_microbatch=max_tokens,
+        logits_chunk_size=chunk,
+        max_norm=max_norm,
+    )
     return Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=CPU, options=options)
 
 
@@ -189,7 +195,9 @@ def test_forward_logprobs_and_entropies_match_per_sequence_log_softmax(max_token
         for (tokens, _), lp, ent in zip(raw, got.logprobs, got.entropies):
             ids = torch.tensor(tokens[:-1])
             n = ids.numel()
-            log_softmax = model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).float().log_softmax(-1)
+            log_softmax = (
+                model.output(model(ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).float().log_softmax(-1)
+            )
             expected = log_softmax.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
             assert lp.shape == ent.shape == (n,)
             assert lp.device == ent.device == torch.device("cpu")
@@ -215,7 +223,7 @@ def test_forward_backward_matches_reference_for_any_microbatching(mode):
     model = results[0][0].model
     ref_loss, ref_grads = reference_grads(model, raw, mode)
     one_mb_grads = results[0][2]
-    for engine, metrics, grads in results:
+    for _, metrics, grads in results:
         assert_grads_close(grads, ref_grads)
         assert_grads_close(grads, one_mb_grads)
         torch.testing.assert_close(metrics.loss, ref_loss, rtol=1e-5, atol=1e-6)
@@ -313,22 +321,66 @@ def test_entropy_memory_is_bounded_by_the_chunk():
 @pytest.mark.parametrize(
     "loss_fn, config, reduction, spoil, message",
     [
-        ("ppo", {}, "token_mean", lambda s: setattr(s[2], "advantages", None), r"sample 2 of this rank's 6 has no advantages"),
-        ("cispo", {"kl_coef": 0.1}, "token_mean", lambda s: setattr(s[0], "ref_logprobs", None), r"sample 0 .* has no ref_logprobs"),
-        ("importance_sampling", {}, "token_mean", lambda s: setattr(s[1], "sampler_logprobs", torch.zeros(2)),
-         r"sample 1 .*: sampler_logprobs must be a tensor of shape \(\d+,\) \(one value per label\), got \(2,\)"),
-        ("ppo", {}, "token_mean", lambda s: setattr(s[3], "sampler_logprobs", s[3].sampler_logprobs.exp()),
-         r"sample 3 .*: sampler_logprobs\[\d+\] = .* is a log-probability above 0"),
-        ("ppo", {}, "token_mean", lambda s: s[0].advantages.__setitem__(1, float("inf")), r"advantages\[1\] = inf is not finite"),
-        ("ppo", {}, "token_mean", lambda s: setattr(s[0], "advantages", s[0].advantages.long()), r"advantages must be floating point"),
+        (
+            "ppo",
+            {},
+            "token_mean",
+            lambda s: setattr(s[2], "advantages", None),
+            r"sample 2 of this rank's 6 has no advantages",
+        ),
+        (
+            "cispo",
+            {"kl_coef": 0.1},
+            "token_mean",
+            lambda s: setattr(s[0], "ref_logprobs", None),
+            r"sample 0 .* has no ref_logprobs",
+        ),
+        (
+            "importance_sampling",
+            {},
+            "token_mean",
+            lambda s: setattr(s[1], "sampler_logprobs", torch.zeros(2)),
+            r"sample 1 .*: sampler_logprobs must be a tensor of shape \(\d+,\) \(one value per label\), got \(2,\)",
+        ),
+        (
+            "ppo",
+            {},
+            "token_mean",
+            lambda s: setattr(s[3], "sampler_logprobs", s[3].sampler_logprobs.exp()),
+            r"sample 3 .*: sampler_logprobs\[\d+\] = .* is a log-probability above 0",
+        ),
+        (
+            "ppo",
+            {},
+            "token_mean",
+            lambda s: s[0].advantages.__setitem__(1, float("inf")),
+            r"advantages\[1\] = inf is not finite",
+        ),
+        (
+            "ppo",
+            {},
+            "token_mean",
+            lambda s: setattr(s[0], "advantages", s[0].advantages.long()),
+            r"advantages must be floating point",
+        ),
         ("ppo", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", None), r"sample 4 .* has no group_id"),
         ("cross_entropy", {}, "prompt_mean", lambda s: setattr(s[4], "group_id", -1), r"group_id must be an int >= 0"),
         ("ppo", {}, "prompt_mean", lambda s: setattr(s[5], "group_id", 6), r"group_id 6 is out of range"),
         # A device tensor among CPU ones would otherwise meet CPU padding inside packing.
-        ("ppo", {"kl_coef": 0.1}, "token_mean", lambda s: setattr(s[1], "ref_logprobs", s[1].ref_logprobs.to("meta")),
-         r"sample 1 .*: ref_logprobs is on meta; a sample's tensors live on the CPU"),
-        ("cross_entropy", {}, "token_mean", lambda s: setattr(s[2], "labels", s[2].labels.to("meta")),
-         r"sample 2 .*: labels is on meta"),
+        (
+            "ppo",
+            {"kl_coef": 0.1},
+            "token_mean",
+            lambda s: setattr(s[1], "ref_logprobs", s[1].ref_logprobs.to("meta")),
+            r"sample 1 .*: ref_logprobs is on meta; a sample's tensors live on the CPU",
+        ),
+        (
+            "cross_entropy",
+            {},
+            "token_mean",
+            lambda s: setattr(s[2], "labels", s[2].labels.to("meta")),
+            r"sample 2 .*: labels is on meta",
+        ),
     ],
 )
 def test_bad_rl_inputs_are_named_before_any_gradient(loss_fn, config, reduction, spoil, message):

@@ -18,13 +18,21 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
-from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator, rollout_seed
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator, rollout_seed
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
-    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=48,
-    rope_theta=10_000.0, max_seq_len=64, attn_backend="sdpa_dense",
+    vocab_size=64,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    hidden_dim=48,
+    rope_theta=10_000.0,
+    max_seq_len=64,
+    attn_backend="sdpa_dense",
 )
 # Lengths 1, 5 and 17: rows of one batch sit at very different positions.
 PROMPTS = [[7], [3, 14, 15, 9, 26], [(5 * i + 2) % 64 for i in range(17)]]
@@ -65,7 +73,10 @@ def assert_same_rollouts(got, expected, atol=1e-5):
     for key, e in expected.items():
         g = got[key]
         assert (g.prompt_tokens, g.completion_tokens, g.stop_reason) == (
-            e.prompt_tokens, e.completion_tokens, e.stop_reason), key
+            e.prompt_tokens,
+            e.completion_tokens,
+            e.stop_reason,
+        ), key
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), rtol=0, atol=atol)
 
 
@@ -128,11 +139,26 @@ def test_sampler_logprobs_equal_engine_forward(temperature, top_k, top_p):
     """The trainer evaluates softmax(logits / T) of the full vocabulary (truncation only limits
     which tokens are drawn), on prompt + completion packed in its own micro-batches."""
     model = noisy_model()
-    rollouts = generate(generator_for(model), num_samples=3, max_new_tokens=10,
-                        temperature=temperature, top_k=top_k, top_p=top_p)
+    rollouts = generate(
+        generator_for(model), num_samples=3, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p
+    )
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=CPU, options=EngineOptions(reduction="token_mean", horizon=20, max_tokens_per_microbatch=40, logits_chunk_size=7, max_norm=0.0, temperature=temperature))
+    engine = Engine(
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        parallel_dims=dims,
+        device=CPU,
+        options=EngineOptions(
+            reduction="token_mean",
+            horizon=20,
+            max_tokens_per_microbatch=40,
+            logits_chunk_size=7,
+            max_norm=0.0,
+            temperature=temperature,
+        ),
+    )
     samples = []
     for r in rollouts:
         tokens = r.prompt_tokens + r.completion_tokens
@@ -206,7 +232,9 @@ def test_all_rows_stopping_ends_generation_early():
     greedy = generate(generator_for(model), temperature=0.0, num_samples=1)
     firsts = tuple({r.completion_tokens[0] for r in greedy})
     stopped = generate(generator_for(model), temperature=0.0, num_samples=1, stop_token_ids=firsts)
-    assert all(r.completion_tokens == g.completion_tokens[:1] and r.stop_reason == "stop" for r, g in zip(stopped, greedy))
+    assert all(
+        r.completion_tokens == g.completion_tokens[:1] and r.stop_reason == "stop" for r, g in zip(stopped, greedy)
+    )
 
 
 # ---------------------------------------------------------------- sampling distribution
@@ -238,9 +266,16 @@ def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, 
     return [probs.get(i, 0.0) for i in range(len(scaled))]
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.7), (1.0, 5, 0.8),
-])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.6, 0, 1.0),
+        (1.3, 3, 1.0),
+        (1.0, 0, 0.7),
+        (1.0, 5, 0.8),
+    ],
+)
 def test_first_token_frequencies_match_the_distribution(temperature, top_k, top_p):
     model = noisy_model(STAT_ARGS, seed=4, std=0.2)
     logits = last_logits(model, STAT_PROMPT)
@@ -248,8 +283,17 @@ def test_first_token_frequencies_match_the_distribution(temperature, top_k, top_
     assert untempered.max() < 0.3 and (untempered > 0.03).sum() >= 7  # a distribution worth testing
     full = torch.softmax(logits.double() / temperature, -1)
     expected = torch.tensor(expected_distribution(logits, temperature, top_k, top_p), dtype=torch.float64)
-    rollouts = generate(generator_for(model, STAT_ARGS), [STAT_PROMPT], [0], STAT_SAMPLES, seed=11,
-                        temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
+    rollouts = generate(
+        generator_for(model, STAT_ARGS),
+        [STAT_PROMPT],
+        [0],
+        STAT_SAMPLES,
+        seed=11,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=1,
+    )
     first = torch.tensor([r.completion_tokens[0] for r in rollouts])
     freq = torch.bincount(first, minlength=STAT_ARGS.vocab_size).double() / STAT_SAMPLES
     # Five standard deviations of a frequency over STAT_SAMPLES draws (fixed seed: cannot flake).
@@ -287,31 +331,37 @@ def test_generate_needs_weights():
         generate(TorchGenerator(ARGS, CPU))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(prompts=[], indices=[0]), "0 prompts but 1 prompt_indices"),
-    (dict(indices=[0, 1]), "3 prompts but 2 prompt_indices"),
-    (dict(indices=[0, 1, 1]), "distinct"),
-    (dict(prompts=[[1], [], [2]]), "prompt 1 is empty"),
-    (dict(prompts=[[1], [64]], indices=[0, 1]), "prompt 1 has a token id outside the vocabulary"),
-    (dict(prompts=[[-1]], indices=[0]), "prompt 0 has a token id outside the vocabulary"),
-    (dict(num_samples=0), "num_samples"),
-    (dict(max_new_tokens=48), "prompt 2: 17 prompt tokens \\+ max_new_tokens 48 exceed the model's max_seq_len 64"),
-    (dict(stop_token_ids=(64,)), "stop token 64"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompts=[], indices=[0]), "0 prompts but 1 prompt_indices"),
+        (dict(indices=[0, 1]), "3 prompts but 2 prompt_indices"),
+        (dict(indices=[0, 1, 1]), "distinct"),
+        (dict(prompts=[[1], [], [2]]), "prompt 1 is empty"),
+        (dict(prompts=[[1], [64]], indices=[0, 1]), "prompt 1 has a token id outside the vocabulary"),
+        (dict(prompts=[[-1]], indices=[0]), "prompt 0 has a token id outside the vocabulary"),
+        (dict(num_samples=0), "num_samples"),
+        (dict(max_new_tokens=48), "prompt 2: 17 prompt tokens \\+ max_new_tokens 48 exceed the model's max_seq_len 64"),
+        (dict(stop_token_ids=(64,)), "stop token 64"),
+    ],
+)
 def test_bad_generate_inputs(kwargs, message):
     gen = generator_for(noisy_model())
     with pytest.raises(ValueError, match=message):
         generate(gen, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=4, temperature=-0.1), "temperature"),
-    (dict(max_new_tokens=4, temperature=float("nan")), "temperature"),
-    (dict(max_new_tokens=4, top_k=-1), "top_k"),
-    (dict(max_new_tokens=4, top_p=0.0), "top_p"),
-    (dict(max_new_tokens=4, top_p=1.5), "top_p"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=4, temperature=-0.1), "temperature"),
+        (dict(max_new_tokens=4, temperature=float("nan")), "temperature"),
+        (dict(max_new_tokens=4, top_k=-1), "top_k"),
+        (dict(max_new_tokens=4, top_p=0.0), "top_p"),
+        (dict(max_new_tokens=4, top_p=1.5), "top_p"),
+    ],
+)
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

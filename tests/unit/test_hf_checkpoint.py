@@ -29,6 +29,7 @@ from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, find_f
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.models.qwen3.parallelize import check_tp_divisibility
 from torchtitan_rl.models.qwen3.state_dict_adapter import to_hf
+
 # Package paths (tests/ is on sys.path), so tests/distributed can import this module too.
 from unit.test_qwen3_model import LENGTHS, hf_and_ours, hf_config, hf_logits, pack, random_tokens, small_args
 from unit.test_tokenizer import make_hf_tokenizer_dir
@@ -70,8 +71,11 @@ def reference_tensors(hf: Qwen3ForCausalLM) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-@pytest.fixture(scope="module", params=[(False, False), (False, True), (True, False), (True, True)],
-                ids=["untied-single", "untied-sharded", "tied-single", "tied-sharded"])
+@pytest.fixture(
+    scope="module",
+    params=[(False, False), (False, True), (True, False), (True, True)],
+    ids=["untied-single", "untied-sharded", "tied-single", "tied-sharded"],
+)
 def checkpoint(request, tmp_path_factory):
     tie, sharded = request.param
     hf = hf_model(tie)
@@ -90,14 +94,32 @@ def test_read_hf_model_args(checkpoint):
 # Qwen/Qwen3-0.6B's config.json as published (transformers 4.51 layout: top-level integer
 # rope_theta, rope_scaling null).
 QWEN3_0_6B_CONFIG = {
-    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
-    "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
-    "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
-    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "model_type": "qwen3",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 
@@ -171,8 +193,10 @@ def test_flavor_check_names_the_differences():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"num_attention_heads": 6, "num_key_value_heads": 4},
-         "num_attention_heads=6 must be a multiple of num_key_value_heads=4"),
+        (
+            {"num_attention_heads": 6, "num_key_value_heads": 4},
+            "num_attention_heads=6 must be a multiple of num_key_value_heads=4",
+        ),
         ({"head_dim": 15}, "head_dim=15 must be even for rotary embeddings"),
     ],
 )
@@ -236,8 +260,10 @@ def test_load_casts_bfloat16_files(tmp_path):
 def test_tied_checkpoint_with_lm_head_loads_the_embedding(tmp_path):
     hf = hf_model(tie=True)
     tensors = reference_tensors(hf)
-    save_file({**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])},
-              str(tmp_path / SINGLE_FILE))
+    save_file(
+        {**tensors, "lm_head.weight": torch.zeros_like(tensors["model.embed_tokens.weight"])},
+        str(tmp_path / SINGLE_FILE),
+    )
     model = empty_model(small_args(tie_embeddings=True))
     load_hf_weights(model, str(tmp_path))
     assert torch.equal(model.output.weight, tensors["model.embed_tokens.weight"])
@@ -263,7 +289,9 @@ def rewrite_index(index_path: str, edit) -> None:
 
 def test_index_naming_a_missing_shard(sharded_copy):
     path, index_path = sharded_copy
-    rewrite_index(index_path, lambda weight_map: weight_map.update({"model.norm.weight": "model-00099-of-00099.safetensors"}))
+    rewrite_index(
+        index_path, lambda weight_map: weight_map.update({"model.norm.weight": "model-00099-of-00099.safetensors"})
+    )
     with pytest.raises(ValueError, match=r"index\.json.*lists shard file 'model-00099-of-00099\.safetensors'"):
         load_hf_weights(empty_model(small_args(tie_embeddings=False)), path)
 
@@ -282,7 +310,9 @@ def test_corrupted_index(sharded_copy, content):
     path, index_path = sharded_copy
     with open(index_path, "w") as f:
         f.write(content)
-    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json'? (is not valid JSON|has no \"weight_map\")"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors\.index\.json'? (is not valid JSON|has no \"weight_map\")"
+    ):
         load_hf_weights(empty_model(small_args(tie_embeddings=False)), path)
 
 
@@ -304,18 +334,31 @@ def test_no_weights(tmp_path):
 def test_checkpoint_of_another_shape_names_key_and_shapes(tmp_path):
     other = dataclasses.replace(small_args(tie_embeddings=False), hidden_dim=96)
     path = save_hf(Qwen3ForCausalLM(hf_config(other)), tmp_path, sharded=False)
-    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(96, 64\), "
-                                         r"the model expects \(80, 64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.mlp\.gate_proj\.weight' has shape \(96, 64\), "
+        r"the model expects \(80, 64\)",
+    ):
         load_hf_weights(empty_model(small_args(tie_embeddings=False)), path)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), r"has no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"),
-    (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
-     r"has tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' that the model does not have"),
-    (lambda t: t.update({"model.layers.2.input_layernorm.weight": torch.zeros(64)}),
-     r"has tensor 'model\.layers\.2\.input_layernorm\.weight' that the model does not have"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+            r"has no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)}),
+            r"has tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' that the model does not have",
+        ),
+        (
+            lambda t: t.update({"model.layers.2.input_layernorm.weight": torch.zeros(64)}),
+            r"has tensor 'model\.layers\.2\.input_layernorm\.weight' that the model does not have",
+        ),
+    ],
+)
 def test_missing_and_unexpected_tensors(tmp_path, edit, message):
     tensors = reference_tensors(hf_model(tie=False))
     edit(tensors)
@@ -375,8 +418,9 @@ def test_export_round_trip(checkpoint, tmp_path, shard_bytes):
 def test_export_sharded_index_matches_files(tmp_path):
     hf = hf_model(tie=False)
     out = str(tmp_path / "export")
-    save_hf_checkpoint(loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32,
-                       max_shard_bytes=SHARD_SIZE)
+    save_hf_checkpoint(
+        loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32, max_shard_bytes=SHARD_SIZE
+    )
     with open(os.path.join(out, INDEX_FILE)) as f:
         index = json.load(f)
     for key, shard in index["weight_map"].items():
@@ -409,15 +453,19 @@ def test_export_with_tokenizer_is_one_hf_directory(tmp_path):
     (tokenizer_dir / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
     hf = hf_model(tie=True)
     out = str(tmp_path / "export")
-    save_hf_checkpoint(loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32,
-                       tokenizer_dir=str(tokenizer_dir))
+    save_hf_checkpoint(
+        loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32, tokenizer_dir=str(tokenizer_dir)
+    )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tokenizer_dir / name).read_bytes() == open(os.path.join(out, name), "rb").read()
     original, exported = build_tokenizer(str(tokenizer_dir)), build_tokenizer(out)
     text = "<|im_start|>user\nWhat is 3 + 4?<|im_end|>"
     assert exported.encode(text) == original.encode(text)
     assert (exported.im_start_id, exported.im_end_id, exported.eos_id) == (
-        original.im_start_id, original.im_end_id, original.eos_id)
+        original.im_start_id,
+        original.im_end_id,
+        original.eos_id,
+    )
     assert read_hf_model_args(out) == small_args(tie_embeddings=True)
 
 

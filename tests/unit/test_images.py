@@ -122,8 +122,10 @@ def test_image_that_cannot_fit_is_an_error_naming_why():
 def test_an_image_scaled_to_the_longest_side_is_named_at_its_own_size():
     # 4000 x 20 under a 40-unit (640 px) side bound: scaled to 640 x 3.2, floored to 640 x 3 pixels,
     # whose strip one 16-pixel unit high needs ceil(640 / 3) = 214 tokens. The message gives the file's size.
-    message = (r"a 4000x20 image \(scaled down to 640x3 for the model's longest image side of 640 pixels\) "
-               r"cannot fit in max_image_tokens=16: its aspect ratio needs 214 tokens")
+    message = (
+        r"a 4000x20 image \(scaled down to 640x3 for the model's longest image side of 640 pixels\) "
+        r"cannot fit in max_image_tokens=16: its aspect ratio needs 214 tokens"
+    )
     with pytest.raises(ValueError, match=message):
         target_size(20, 4000, 8, 2, 16, max_units_per_side=40)
 
@@ -263,7 +265,15 @@ def test_load_image_sources(tmp_path):
     path = tmp_path / "a.png"
     image.save(path)
     data = png_bytes(image)
-    for source in [str(path), path, data, bytearray(data), image, {"bytes": data, "path": None}, {"bytes": None, "path": str(path)}]:
+    for source in [
+        str(path),
+        path,
+        data,
+        bytearray(data),
+        image,
+        {"bytes": data, "path": None},
+        {"bytes": None, "path": str(path)},
+    ]:
         loaded = load_image(source, "test")
         assert loaded.mode == "RGB" and np.array_equal(np.asarray(loaded), np.asarray(image))
         assert image_size(source, "test") == (20, 30)
@@ -295,7 +305,9 @@ def test_load_errors_name_the_image(tmp_path):
         image_size({"bytes": None, "path": None}, "row 0 image 0")
 
 
-@pytest.mark.parametrize("url", ["https://example.com/cat.png", "http://host/a.png", "s3://bucket/key.jpg", "file:///tmp/a.png"])
+@pytest.mark.parametrize(
+    "url", ["https://example.com/cat.png", "http://host/a.png", "s3://bucket/key.jpg", "file:///tmp/a.png"]
+)
 def test_a_url_is_refused_as_a_url(tmp_path, monkeypatch, url):
     # Even where a local file has the URL's name, the URL is not looked up as a path.
     monkeypatch.chdir(tmp_path)

@@ -71,9 +71,13 @@ def brute_kl(estimator: str, x: float, ref: float) -> tuple[float, float]:
 
 def make_mb(x, q, ref, adv, mask):
     sample = Sample(
-        input_ids=torch.zeros(len(x), dtype=torch.long), labels=torch.zeros(len(x), dtype=torch.long),
-        loss_mask=torch.tensor(mask), advantages=torch.tensor(adv), sampler_logprobs=torch.tensor(q),
-        ref_logprobs=torch.tensor(ref), group_id=0,
+        input_ids=torch.zeros(len(x), dtype=torch.long),
+        labels=torch.zeros(len(x), dtype=torch.long),
+        loss_mask=torch.tensor(mask),
+        advantages=torch.tensor(adv),
+        sampler_logprobs=torch.tensor(q),
+        ref_logprobs=torch.tensor(ref),
+        group_id=0,
     )
     return pack([sample], inputs=("advantages", "sampler_logprobs", "ref_logprobs"))
 
@@ -95,8 +99,17 @@ CONFIGS = [
     ("cross_entropy", {"kl_coef": 0.3, "kl_estimator": "k2", "entropy_coef": 0.01}),
     ("importance_sampling", {"kl_coef": 0.1, "kl_estimator": "k1", "entropy_coef": 0.02}),
     ("ppo", {"clip_low": 0.2, "clip_high": 0.28}),
-    ("ppo", {"clip_low": 0.1, "clip_high": 0.3, "dual_clip_c": 2.0, "kl_coef": 0.2, "kl_estimator": "k3",
-             "entropy_coef": -0.05}),
+    (
+        "ppo",
+        {
+            "clip_low": 0.1,
+            "clip_high": 0.3,
+            "dual_clip_c": 2.0,
+            "kl_coef": 0.2,
+            "kl_estimator": "k3",
+            "entropy_coef": -0.05,
+        },
+    ),
     ("cispo", {"clip_low": 0.5, "clip_high": 0.2, "kl_coef": 0.5, "kl_estimator": "low_var_kl", "entropy_coef": 0.1}),
 ]
 
@@ -204,13 +217,18 @@ def test_loss_metrics_are_sums_over_loss_tokens_only():
     got = {k: float(v) for k, v in metrics.reduce(None).items()}
     keep = [t for t in range(30) if mask[t]]
     ratio = [math.exp(x[t] - q[t]) for t in keep]
-    mean = lambda v: sum(v) / len(v)
+
+    def mean(values):
+        return sum(values) / len(values)
+
     lo, hi = 0.8, 1.2
     expected = {
         "rl/pg_loss": mean([brute_policy("ppo", x[t], q[t], adv[t], loss.options)[0] for t in keep]),
         "rl/kl": mean([brute_kl("k3", x[t], ref[t])[0] for t in keep]),
         "rl/entropy": mean([entropy[t] for t in keep]),
-        "rl/ratio_mean": mean(ratio), "rl/ratio_min": min(ratio), "rl/ratio_max": max(ratio),
+        "rl/ratio_mean": mean(ratio),
+        "rl/ratio_min": min(ratio),
+        "rl/ratio_max": max(ratio),
         "rl/logprob_diff_mean": mean([abs(x[t] - q[t]) for t in keep]),
         "rl/logprob_diff_max": max(abs(x[t] - q[t]) for t in keep),
         "rl/advantage_mean": mean([adv[t] for t in keep]),
@@ -284,8 +302,16 @@ def test_registry_matches_config_choices():
     "name, config, message",
     [
         ("nope", {}, r"unknown loss_fn 'nope'; valid loss functions: cross_entropy, importance_sampling, ppo, cispo"),
-        ("cross_entropy", {"clip_low": 0.2}, r"loss_fn_config.clip_low: not an option of loss_fn 'cross_entropy'; its options: kl_coef, kl_estimator, entropy_coef"),
-        ("ppo", {"clip_lo": 0.2}, r"clip_lo: not an option of loss_fn 'ppo'; its options: clip_low, clip_high, dual_clip_c"),
+        (
+            "cross_entropy",
+            {"clip_low": 0.2},
+            r"loss_fn_config.clip_low: not an option of loss_fn 'cross_entropy'; its options: kl_coef, kl_estimator, entropy_coef",
+        ),
+        (
+            "ppo",
+            {"clip_lo": 0.2},
+            r"clip_lo: not an option of loss_fn 'ppo'; its options: clip_low, clip_high, dual_clip_c",
+        ),
         ("ppo", {"clip_low": 1.0}, r"clip_low: must be in \[0, 1\)"),
         ("cispo", {"clip_low": -0.1}, r"clip_low: must be in \[0, 1\)"),
         ("ppo", {"clip_high": -0.1}, r"clip_high: must be >= 0"),
@@ -320,8 +346,14 @@ def test_config_section_fails_closed():
     with pytest.raises(ValueError, match=r"loss.clip_low: must be in \[0, 1\)"):
         loss_fn_from_config(Loss(loss_fn="ppo", clip_low=1.5))
     loss = loss_fn_from_config(Loss(loss_fn="ppo", clip_high=0.28, dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k2"))
-    assert loss.options == {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 3.0, "kl_coef": 0.1,
-                            "kl_estimator": "k2", "entropy_coef": 0.0}
+    assert loss.options == {
+        "clip_low": 0.2,
+        "clip_high": 0.28,
+        "dual_clip_c": 3.0,
+        "kl_coef": 0.1,
+        "kl_estimator": "k2",
+        "entropy_coef": 0.0,
+    }
 
 
 @pytest.mark.parametrize(

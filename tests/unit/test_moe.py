@@ -35,9 +35,20 @@ def tiny_args(**changes) -> Qwen3ModelArgs:
     # Layer 1 is dense (mlp_only_layers), so MoE layers are 0, 2, 3 and the layer axis of
     # RouterStats is not the layer index.
     args = Qwen3ModelArgs(
-        vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=80,
-        rope_theta=10_000.0, max_seq_len=64,
-        num_experts=8, num_experts_per_tok=2, moe_hidden_dim=32, norm_topk_prob=True, mlp_only_layers=(1,),
+        vocab_size=96,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        hidden_dim=80,
+        rope_theta=10_000.0,
+        max_seq_len=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_hidden_dim=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
     )
     return dataclasses.replace(args, **changes)
 
@@ -401,16 +412,39 @@ def test_init_weights_of_moe_parameters():
 
 # Qwen/Qwen3-30B-A3B config.json as published.
 QWEN3_30B_A3B_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
-    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48,
-    "num_key_value_heads": 4, "output_router_logits": False, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 

@@ -82,10 +82,14 @@ def test_balance_loss_settings_round_trip_and_training_override(tmp_path):
     "change, message",
     [
         ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 must be in [1, num_experts=8]"),
-        ({"mlp_only_layers": [1, 7]}, "mlp_only_layers lists [7], which are not layers of a model with "
-                                      "num_hidden_layers=4"),
-        ({"decoder_sparse_step": 5, "mlp_only_layers": []},
-         "num_experts=8 but no layer is MoE (decoder_sparse_step=5, mlp_only_layers=[])"),
+        (
+            {"mlp_only_layers": [1, 7]},
+            "mlp_only_layers lists [7], which are not layers of a model with num_hidden_layers=4",
+        ),
+        (
+            {"decoder_sparse_step": 5, "mlp_only_layers": []},
+            "num_experts=8 but no layer is MoE (decoder_sparse_step=5, mlp_only_layers=[])",
+        ),
         ({"router_aux_loss_coef": -0.1}, "router_aux_loss_coef must be a finite number >= 0, got -0.1"),
     ],
 )

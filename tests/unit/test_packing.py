@@ -235,19 +235,27 @@ def test_plan_budgets_tokens_and_patches_together():
                 nxt = plan[k + 1][0]
                 # Closed only when the next sample would break one of the budgets.
                 assert (max_tokens and used[0] + seq_lens[nxt] > max_tokens) or (
-                    max_patches and used[1] + patches[nxt] > max_patches)
+                    max_patches and used[1] + patches[nxt] > max_patches
+                )
 
 
 def test_plan_sample_over_patch_budget_names_the_key():
-    with pytest.raises(ValueError, match=r"a sample of 50 vision patches exceeds training.max_patches_per_microbatch=40 \(sample 1"):
+    with pytest.raises(
+        ValueError, match=r"a sample of 50 vision patches exceeds training.max_patches_per_microbatch=40 \(sample 1"
+    ):
         plan_microbatches([3, 4], 0, [8, 50], 40)
 
 
 def _image_sample(n: int, grids: list[tuple[int, int]], rows: list[int], seed: int) -> Sample:
     gen = torch.Generator().manual_seed(seed)
     images = [SampleImage(torch.randn(r * c, 12, generator=gen), r, c) for r, c in grids]
-    return Sample(input_ids=torch.arange(n), labels=torch.arange(n), loss_mask=torch.ones(n, dtype=torch.bool),
-                  images=images or None, vision_rows=torch.tensor(rows) if images else None)
+    return Sample(
+        input_ids=torch.arange(n),
+        labels=torch.arange(n),
+        loss_mask=torch.ones(n, dtype=torch.bool),
+        images=images or None,
+        vision_rows=torch.tensor(rows) if images else None,
+    )
 
 
 def test_pack_offsets_each_samples_vision_rows_past_earlier_images():

@@ -80,7 +80,9 @@ def test_context_parallel_not_dividing_world():
     assert KEYS["cp"] in message and "(3)" in message and "world size 4" in message
 
 
-@pytest.mark.parametrize("dp_replicate, dp_shard, tp, world_size", [(1, 2, 2, 4), (1, -1, 4, 4), (2, 2, 2, 8), (1, 1, 2, 2)])
+@pytest.mark.parametrize(
+    "dp_replicate, dp_shard, tp, world_size", [(1, 2, 2, 4), (1, -1, 4, 4), (2, 2, 2, 8), (1, 1, 2, 2)]
+)
 def test_tensor_parallel_layouts(dp_replicate, dp_shard, tp, world_size):
     dims = ParallelDims(dp_replicate, dp_shard, 1, tp, world_size=world_size)
     assert dims.tp == tp

@@ -101,9 +101,7 @@ def test_single_sequence_logits_match_hf(tie_embeddings):
     assert (ours.output.weight is ours.tok_embeddings.weight) == tie_embeddings
     tokens = random_tokens(11, ours.args.vocab_size, seed=1)
     with torch.no_grad():
-        torch.testing.assert_close(
-            our_logits(ours, [tokens]), hf_logits(hf, tokens), rtol=1e-5, atol=1e-5
-        )
+        torch.testing.assert_close(our_logits(ours, [tokens]), hf_logits(hf, tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_rotary_uses_each_tokens_own_position():
@@ -116,9 +114,7 @@ def test_rotary_uses_each_tokens_own_position():
 
     hf_cos, hf_sin = Qwen3RotaryEmbedding(hf_config(args))(q, positions[None])
     # HF layout is [batch, heads, T, head_dim].
-    hf_q, hf_k = apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin
-    )
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
     torch.testing.assert_close(apply_rotary(q, cos, sin), hf_q[0].transpose(0, 1))
     torch.testing.assert_close(apply_rotary(k, cos, sin), hf_k[0].transpose(0, 1))
 
@@ -140,13 +136,10 @@ def test_gradients_match_hf(tie_embeddings):
     sequences = [random_tokens(n, vocab_size, seed=20 + i) for i, n in enumerate(LENGTHS)]
     targets = [random_tokens(n, vocab_size, seed=30 + i) for i, n in enumerate(LENGTHS)]
 
-    ours_loss = torch.nn.functional.cross_entropy(
-        our_logits(ours, sequences), torch.cat(targets), reduction="sum"
-    )
+    ours_loss = torch.nn.functional.cross_entropy(our_logits(ours, sequences), torch.cat(targets), reduction="sum")
     ours_loss.backward()
     hf_loss = sum(
-        torch.nn.functional.cross_entropy(hf_logits(hf, s), t, reduction="sum")
-        for s, t in zip(sequences, targets)
+        torch.nn.functional.cross_entropy(hf_logits(hf, s), t, reduction="sum") for s, t in zip(sequences, targets)
     )
     hf_loss.backward()
 
@@ -290,9 +283,7 @@ def test_meta_build_to_empty_init_matches_eager(tie_embeddings):
         assert torch.equal(a, b), name
     tokens, positions, seq_ids = pack([random_tokens(n, args.vocab_size, seed=n) for n in LENGTHS])
     with torch.no_grad():
-        torch.testing.assert_close(
-            model(tokens, positions, seq_ids), eager(tokens, positions, seq_ids), rtol=0, atol=0
-        )
+        torch.testing.assert_close(model(tokens, positions, seq_ids), eager(tokens, positions, seq_ids), rtol=0, atol=0)
 
 
 def test_debugmodel_trains_on_cpu():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from torchtitan_rl.config import ConfigManager, JobConfig
-from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.data.tokenizer import build_tokenizer
+from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.recipes.base import describe_os_error, model_args_from_config
 from torchtitan_rl.recipes.grpo import GRPORecipe
 from torchtitan_rl.recipes.sft import SFTRecipe
@@ -28,8 +28,11 @@ def params_of(recipe) -> list[torch.Tensor]:
 
 
 def test_registry_matches_the_config_choices():
-    (choices,) = [typing.get_args(f.type) for f in JobConfig.__dataclass_fields__["job"].type.__dataclass_fields__.values()
-                  if f.name == "recipe"]
+    (choices,) = [
+        typing.get_args(f.type)
+        for f in JobConfig.__dataclass_fields__["job"].type.__dataclass_fields__.values()
+        if f.name == "recipe"
+    ]
     assert set(RECIPES) == set(choices)
     assert get_recipe("grpo") is GRPORecipe and get_recipe("sft") is SFTRecipe
     with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'sft'\]"):
@@ -52,8 +55,17 @@ def test_os_error_names_the_config_key(tmp_path):
 
 def test_sft_constructor_builds_and_setup_resumes(tmp_path):
     dump = str(tmp_path / "sft")
-    args = ["--job.config_file", str(CONFIGS / "debug_model.toml"), *SMALL, "--job.dump_folder", dump,
-            "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    args = [
+        "--job.config_file",
+        str(CONFIGS / "debug_model.toml"),
+        *SMALL,
+        "--job.dump_folder",
+        dump,
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+    ]
     first = SFTRecipe(parse(*args, "--training.steps", "2"))
     initial = params_of(first)
     assert not first.setup()
@@ -75,9 +87,22 @@ def test_sft_constructor_builds_and_setup_resumes(tmp_path):
 
 
 def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
-    cfg = parse("--job.config_file", str(CONFIGS / "debug_grpo.toml"), "--job.dump_folder", str(tmp_path / "grpo"),
-                "--metrics.enable_tensorboard", "false", "--rl.sft_warmup_steps", "2",
-                "--rl.sft_warmup_batch_size", "4", "--rl.use_reference", "true", "--loss.kl_coef", "0.01")
+    cfg = parse(
+        "--job.config_file",
+        str(CONFIGS / "debug_grpo.toml"),
+        "--job.dump_folder",
+        str(tmp_path / "grpo"),
+        "--metrics.enable_tensorboard",
+        "false",
+        "--rl.sft_warmup_steps",
+        "2",
+        "--rl.sft_warmup_batch_size",
+        "4",
+        "--rl.use_reference",
+        "true",
+        "--loss.kl_coef",
+        "0.01",
+    )
     recipe = GRPORecipe(cfg)
     initial = params_of(recipe)  # the constructor ran no warm-up step
     recipe.setup()
@@ -91,17 +116,38 @@ def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
 def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(f'{{"prompt": "{i}+1?", "answer": "{i + 1}"}}\n' for i in range(6)))
-    args = ["--job.config_file", str(CONFIGS / "debug_grpo.toml"), "--job.dump_folder", str(tmp_path / "grpo"),
-            "--rl.task", "jsonl", "--rl.task_path", str(rows), "--rl.num_eval_prompts", "1", "--rl.num_train_prompts", "0",
-            "--rl.sft_warmup_steps", "3", "--rl.sft_warmup_batch_size", "4"]
+    args = [
+        "--job.config_file",
+        str(CONFIGS / "debug_grpo.toml"),
+        "--job.dump_folder",
+        str(tmp_path / "grpo"),
+        "--rl.task",
+        "jsonl",
+        "--rl.task_path",
+        str(rows),
+        "--rl.num_eval_prompts",
+        "1",
+        "--rl.num_train_prompts",
+        "0",
+        "--rl.sft_warmup_steps",
+        "3",
+        "--rl.sft_warmup_batch_size",
+        "4",
+    ]
     with pytest.raises(ValueError, match=r"rl.sft_warmup_steps=3: .*rl.num_train_prompts=0 leaves none of the 5 "):
         GRPORecipe(parse(*args))
 
 
 @pytest.mark.parametrize("coef, expected", [(0.0, (0.001, False)), (0.05, (0.05, True))])
 def test_moe_export_writes_the_router_loss_in_force(coef, expected):
-    cfg = parse("--job.config_file", str(CONFIGS / "debug_model.toml"), "--model.flavor", "debugmodel_moe",
-                "--moe.aux_loss_coef", str(coef))
+    cfg = parse(
+        "--job.config_file",
+        str(CONFIGS / "debug_model.toml"),
+        "--model.flavor",
+        "debugmodel_moe",
+        "--moe.aux_loss_coef",
+        str(coef),
+    )
     args = model_args_from_config(cfg, torch.device("cpu"), build_tokenizer(""))
     exported = args.to_hf_config("float32")
     assert (exported["router_aux_loss_coef"], exported["output_router_logits"]) == expected

@@ -168,7 +168,7 @@ def random_layout(rng: random.Random, num_seqs: int, num_ranks: int, order=None)
 @pytest.mark.parametrize("mode", REDUCTION_MODES)
 def test_weights_match_brute_force_random(mode):
     rng = random.Random(REDUCTION_MODES.index(mode))
-    for trial in range(12):
+    for _ in range(12):
         raw = random_raw(rng, rng.randint(1, 9))
         layout = random_layout(rng, len(raw), num_ranks=rng.randint(1, 4))
         check_weights(raw, layout, mode)

@@ -258,8 +258,10 @@ GOOD = json.dumps({"prompt": "q", "answer": "a"})
         ('{"prompt": "q", "answer": ["a"]}', "'answer' must be a string or a number"),
         ('{"prompt": "q", "answer": NaN}', "'answer' must be finite"),
         ('{"prompt": "q", "answer": "  "}', "'answer' is empty"),
-        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "a"}',
-         "must not contain an 'assistant' turn"),
+        (
+            '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "a"}',
+            "must not contain an 'assistant' turn",
+        ),
         ('{"messages": [{"role": "tool", "content": "q"}], "answer": "a"}', "unsupported chat role 'tool'"),
         ('{"messages": [], "answer": "a"}', "non-empty list"),
     ],
@@ -285,12 +287,21 @@ def test_jsonl_numeric_match_needs_numeric_answers(tmp_path):
         (lambda d: d / "missing.jsonl", {}, "does not exist"),
         (lambda d: write_lines(d / "rows.json", [GOOD]), {}, "not a .jsonl file"),
         (lambda d: d, {}, "directory with no .jsonl files"),
-        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 3},
-         "3 rows, fewer than rl.num_eval_prompts \\+ 1 = 4"),
-        (lambda d: write_lines(d / "r.jsonl", numbered_rows(4)), {"num_eval": 1, "num_train": 4},
-         "rl.num_train_prompts=4 but only 3 rows"),
-        (lambda d: write_lines(d / "r.jsonl", [GOOD] * 3), {"num_eval": 1},
-         "repeats a held-out prompt; lower rl.num_eval_prompts"),
+        (
+            lambda d: write_lines(d / "r.jsonl", [GOOD] * 3),
+            {"num_eval": 3},
+            "3 rows, fewer than rl.num_eval_prompts \\+ 1 = 4",
+        ),
+        (
+            lambda d: write_lines(d / "r.jsonl", numbered_rows(4)),
+            {"num_eval": 1, "num_train": 4},
+            "rl.num_train_prompts=4 but only 3 rows",
+        ),
+        (
+            lambda d: write_lines(d / "r.jsonl", [GOOD] * 3),
+            {"num_eval": 1},
+            "repeats a held-out prompt; lower rl.num_eval_prompts",
+        ),
     ],
 )
 def test_jsonl_file_errors(tmp_path, setup, options, match):

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from torchtitan_rl.recipes.grpo import combine_updates
 from torchtitan_rl.rl.generator import Rollout
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
@@ -18,7 +19,6 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.tasks import Reward
-from torchtitan_rl.recipes.grpo import combine_updates
 
 
 def test_prompt_stream_visits_every_prompt_once_per_epoch_and_resumes_exactly():
@@ -57,14 +57,18 @@ def test_peers_split_contiguously_and_cover_everything(num_items, num_peers):
 
 
 def rollout(slot, sample, prompt, completion, stop=True):
-    return Rollout(slot, sample, prompt, completion, [-0.1 * (j + 1) for j in range(len(completion))],
-                   "stop" if stop else "length")
+    return Rollout(
+        slot, sample, prompt, completion, [-0.1 * (j + 1) for j in range(len(completion))], "stop" if stop else "length"
+    )
 
 
 def test_samples_align_advantages_and_sampler_logprobs_with_the_completion_labels():
     group = score_groups(
         [rollout(5, 0, [1, 2, 3], [7, 8, 9]), rollout(5, 1, [1, 2, 3], [6], stop=False)],
-        [Reward(1.0, True, {}), Reward(0.0, False, {})], group_size=2, estimator="dr_grpo", eps=1e-6,
+        [Reward(1.0, True, {}), Reward(0.0, False, {})],
+        group_size=2,
+        estimator="dr_grpo",
+        eps=1e-6,
     )
     first, second = to_samples(group, max_len=10)
     # Tokens 1 2 3 7 8 9: inputs drop the last, labels drop the first.
@@ -80,10 +84,18 @@ def test_samples_align_advantages_and_sampler_logprobs_with_the_completion_label
 
 
 def test_rollout_metrics_by_hand():
-    rollouts = [rollout(0, 0, [1], [4, 5]), rollout(0, 1, [1], [4], stop=False),
-                rollout(1, 0, [2], [4, 5, 6]), rollout(1, 1, [2], [4])]
-    rewards = [Reward(1.0, True, {"format": 1.0}), Reward(0.5, False, {"format": 0.0}),
-               Reward(0.0, False, {"format": 1.0}), Reward(0.0, False, {"format": 1.0})]
+    rollouts = [
+        rollout(0, 0, [1], [4, 5]),
+        rollout(0, 1, [1], [4], stop=False),
+        rollout(1, 0, [2], [4, 5, 6]),
+        rollout(1, 1, [2], [4]),
+    ]
+    rewards = [
+        Reward(1.0, True, {"format": 1.0}),
+        Reward(0.5, False, {"format": 0.0}),
+        Reward(0.0, False, {"format": 1.0}),
+        Reward(0.0, False, {"format": 1.0}),
+    ]
     groups = score_groups(rollouts, rewards, 2, "grpo", 1e-6)
     assert [g.slot for g in groups] == [0, 1]
     assert not is_zero_variance(groups[0]) and is_zero_variance(groups[1])
@@ -93,38 +105,55 @@ def test_rollout_metrics_by_hand():
     got = rollout_metrics(*rollout_sums(groups, filtered=1), batch_mesh=None)
     totals = [1.0, 0.5, 0.0, 0.0]
     mean = sum(totals) / 4
-    assert got == pytest.approx({
-        "rl/reward_mean": mean,
-        "rl/reward_std": math.sqrt(sum((t - mean) ** 2 for t in totals) / 4),
-        "rl/pass@1": 0.25,
-        "rl/response_length_mean": (2 + 1 + 3 + 1) / 4,
-        "rl/response_length_max": 3.0,
-        "rl/truncated": 0.25,
-        "rl/groups_all_correct": 0.0,
-        "rl/groups_all_wrong": 0.5,
-        "rl/groups_mixed": 0.5,
-        "rl/filtered_groups": 1.0,
-        "rl/num_rollouts": 4.0,
-        "rl/reward_format": 0.75,
-    })
+    assert got == pytest.approx(
+        {
+            "rl/reward_mean": mean,
+            "rl/reward_std": math.sqrt(sum((t - mean) ** 2 for t in totals) / 4),
+            "rl/pass@1": 0.25,
+            "rl/response_length_mean": (2 + 1 + 3 + 1) / 4,
+            "rl/response_length_max": 3.0,
+            "rl/truncated": 0.25,
+            "rl/groups_all_correct": 0.0,
+            "rl/groups_all_wrong": 0.5,
+            "rl/groups_mixed": 0.5,
+            "rl/filtered_groups": 1.0,
+            "rl/num_rollouts": 4.0,
+            "rl/reward_format": 0.75,
+        }
+    )
 
 
 def test_step_valuescombine_updates():
     updates = [
-        {"loss_metrics/global_avg_loss": 1.0, "loss_metrics/global_max_loss": 3.0, "tokens/total": 10.0,
-         "grad_norm": 2.0},
-        {"loss_metrics/global_avg_loss": 3.0, "loss_metrics/global_max_loss": 2.0, "tokens/total": 12.0,
-         "grad_norm": 4.0},
+        {
+            "loss_metrics/global_avg_loss": 1.0,
+            "loss_metrics/global_max_loss": 3.0,
+            "tokens/total": 10.0,
+            "grad_norm": 2.0,
+        },
+        {
+            "loss_metrics/global_avg_loss": 3.0,
+            "loss_metrics/global_max_loss": 2.0,
+            "tokens/total": 12.0,
+            "grad_norm": 4.0,
+        },
     ]
     assert combine_updates(updates) == {
-        "loss_metrics/global_avg_loss": 2.0, "loss_metrics/global_max_loss": 3.0, "tokens/total": 22.0,
+        "loss_metrics/global_avg_loss": 2.0,
+        "loss_metrics/global_max_loss": 3.0,
+        "tokens/total": 22.0,
         "grad_norm": 3.0,
     }
     assert combine_updates([]) == {}
 
 
 def test_advantage_tensor_dtype_is_float():
-    group = score_groups([rollout(0, 0, [1], [2]), rollout(0, 1, [1], [3])],
-                         [Reward(1.0, True, {}), Reward(0.0, False, {})], 2, "rloo", 1e-6)
+    group = score_groups(
+        [rollout(0, 0, [1], [2]), rollout(0, 1, [1], [3])],
+        [Reward(1.0, True, {}), Reward(0.0, False, {})],
+        2,
+        "rloo",
+        1e-6,
+    )
     sample = to_samples(group, 8)[0]
     assert sample.advantages.dtype == torch.float32 and sample.sampler_logprobs.dtype == torch.float32

@@ -32,7 +32,9 @@ def token_stats(logits: torch.Tensor, tokens: torch.Tensor):
     sub = logits[:, tokens]
     probs = sub.softmax(-1)
     top = probs.topk(K, dim=-1).indices
-    counts = torch.zeros(L, E, dtype=torch.float64).scatter_add_(1, top.reshape(L, -1), torch.ones(L, top[0].numel(), dtype=torch.float64))
+    counts = torch.zeros(L, E, dtype=torch.float64).scatter_add_(
+        1, top.reshape(L, -1), torch.ones(L, top[0].numel(), dtype=torch.float64)
+    )
     return counts, probs.sum(1), (sub.logsumexp(-1) ** 2).sum(1)
 
 
@@ -99,24 +101,39 @@ def partial_sum(logits, layout, scope: str, layers: str) -> torch.Tensor:
     microbatches = whole_microbatches(layout)
     total = 0
     for rank in layout:
-        for k, tokens in enumerate(rank):
+        for tokens in rank:
             counts, prob_sums, _ = token_stats(logits, tokens)
             if scope == "global":
-                total = total + balance_loss(global_counts[None], prob_sums[None], torch.tensor([len(seq)]),
-                                             torch.ones(1, dtype=torch.float64), layers)
+                total = total + balance_loss(
+                    global_counts[None],
+                    prob_sums[None],
+                    torch.tensor([len(seq)]),
+                    torch.ones(1, dtype=torch.float64),
+                    layers,
+                )
             elif scope == "sequence":
                 for s in seq[tokens].unique().tolist():
                     mine = tokens[seq[tokens] == s]
                     whole = (seq == s).nonzero()[:, 0]
                     c = token_stats(logits, whole)[0]  # summed over the CP peers
                     p = token_stats(logits, mine)[1]
-                    total = total + balance_loss(c[None], p[None], torch.tensor([len(whole)]),
-                                                 torch.tensor([1 / len(SEQ_LENS)], dtype=torch.float64), layers)
+                    total = total + balance_loss(
+                        c[None],
+                        p[None],
+                        torch.tensor([len(whole)]),
+                        torch.tensor([1 / len(SEQ_LENS)], dtype=torch.float64),
+                        layers,
+                    )
             else:
                 whole = next(mb for mb in microbatches if bool(torch.isin(tokens, mb).all()))
                 c = token_stats(logits, whole)[0]
-                total = total + balance_loss(c[None], prob_sums[None], torch.tensor([len(whole)]),
-                                             torch.tensor([1 / len(microbatches)], dtype=torch.float64), layers)
+                total = total + balance_loss(
+                    c[None],
+                    prob_sums[None],
+                    torch.tensor([len(whole)]),
+                    torch.tensor([1 / len(microbatches)], dtype=torch.float64),
+                    layers,
+                )
     return total
 
 
@@ -176,17 +193,23 @@ def test_z_loss_partials_add_up_to_the_token_mean():
     logits = logits_leaf(3)
     seq = seq_of_token()
     want = (logits.logsumexp(-1) ** 2).sum(0).mean()
-    got = sum(z_loss(token_stats(logits, tokens)[2][:, None], torch.tensor(len(seq)))
-              for rank in random_layout(3) for tokens in rank)
+    got = sum(
+        z_loss(token_stats(logits, tokens)[2][:, None], torch.tensor(len(seq)))
+        for rank in random_layout(3)
+        for tokens in rank
+    )
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("aux_loss_scope", "batch", "moe.aux_loss_scope: 'batch' is not one of global, sequence, microbatch"),
-    ("aux_loss_layers", "mean", "moe.aux_loss_layers: 'mean' is not one of pooled, sum"),
-    ("aux_loss_coef", -1.0, "moe.aux_loss_coef: must be a finite number >= 0"),
-    ("z_loss_coef", float("nan"), "moe.z_loss_coef: must be a finite number >= 0"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("aux_loss_scope", "batch", "moe.aux_loss_scope: 'batch' is not one of global, sequence, microbatch"),
+        ("aux_loss_layers", "mean", "moe.aux_loss_layers: 'mean' is not one of pooled, sum"),
+        ("aux_loss_coef", -1.0, "moe.aux_loss_coef: must be a finite number >= 0"),
+        ("z_loss_coef", float("nan"), "moe.z_loss_coef: must be a finite number >= 0"),
+    ],
+)
 def test_config_errors_name_the_key(field, value, match):
     with pytest.raises(ValueError, match=match):
         RouterLossConfig(**{field: value})

@@ -6,9 +6,9 @@ import warnings
 
 import pytest
 import torch
-from test_data import TOKENIZER, write_jsonl
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from test_data import TOKENIZER, write_jsonl
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import SFTDataLoader, build_sft_dataloader
 
@@ -188,5 +188,7 @@ def test_loader_errors_name_file_and_line(tmp_path):
     write_jsonl(tmp_path / "rows.jsonl", [{"text": "ok"}, {"question": "?"}])
     rows = load_rows("", str(tmp_path / "rows.jsonl"), "train", 0, 0)
     loader = make_loader(rows, global_batch_size=2)
-    with pytest.raises(ValueError, match=rf"dataset row 1 \({re.escape(str(tmp_path / 'rows.jsonl'))}:2\): .*no supported format"):
+    with pytest.raises(
+        ValueError, match=rf"dataset row 1 \({re.escape(str(tmp_path / 'rows.jsonl'))}:2\): .*no supported format"
+    ):
         next(loader)

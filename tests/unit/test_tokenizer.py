@@ -62,7 +62,7 @@ def test_byte_tokenizer_special_ids_and_decoding():
 
 def test_byte_tokenizer_invalid_utf8_and_ids():
     tokenizer = ByteTokenizer()
-    first_byte_of_e_acute = "é".encode("utf-8")[0]
+    first_byte_of_e_acute = "é".encode()[0]
     assert tokenizer.decode([ord("a"), first_byte_of_e_acute, ord("b")]) == "a\ufffdb"
     with pytest.raises(ValueError, match="262"):
         tokenizer.decode([262])
@@ -72,7 +72,12 @@ def test_byte_tokenizer_image_tokens():
     tokenizer = ByteTokenizer()
     ids = image_token_ids(tokenizer)
     assert ids == ImageTokenIds(image=259, image_break=260, image_end=261)
-    assert [tokenizer.token_to_id(t) for t in ["<|endoftext|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]] == [256, 259, 260, 261]
+    assert [tokenizer.token_to_id(t) for t in ["<|endoftext|>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]] == [
+        256,
+        259,
+        260,
+        261,
+    ]
     assert tokenizer.token_to_id("[IMG_START]") is None
     assert tokenizer.decode([259, 259, 260, 259, 259, 261]) == "[IMG][IMG][IMG_BREAK][IMG][IMG][IMG_END]"
     # Placeholder strings typed in text stay bytes: only the loader inserts image tokens.
@@ -88,15 +93,26 @@ def test_image_token_ids_from_configured_strings(tmp_path):
     directory = make_hf_tokenizer_dir(tmp_path / "vlm", SPECIAL_TOKENS + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
     tokenizer = HFTokenizer(str(directory))
     reference = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
-    assert image_token_ids(tokenizer) == ImageTokenIds(*(reference.token_to_id(t) for t in ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]))
+    assert image_token_ids(tokenizer) == ImageTokenIds(
+        *(reference.token_to_id(t) for t in ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    )
     with pytest.raises(ValueError, match=r"image_token='\[IMG\]'"):
         image_token_ids(HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "text"))))
 
 
 # The added tokens of a stock Qwen3 tokenizer.json up to its vision specials, in Qwen's order.
 QWEN_SPECIAL_TOKENS = SPECIAL_TOKENS + [
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
 ]
 PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 

@@ -11,9 +11,9 @@ import tokenizers
 import torch
 import torch.nn.functional as F
 from PIL import Image
+
 from test_data import TOKENIZER, write_jsonl
 from test_sft_loader import STREAM_ROWS, make_loader
-
 from torchtitan_rl.data import shapes as shapes_task
 from torchtitan_rl.data import vision_samples
 from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance, sample_cost
@@ -107,8 +107,12 @@ def test_shapes_colour_subset():
 
 def test_shapes_rows_vary_in_images_and_sizes():
     rows = BUILTIN_TASKS["shapes"](200, seed=2)
-    images = [[p["image"] for p in row["messages"][0]["content"] if isinstance(p, dict) and p["type"] == "image"]
-              if not isinstance(row["messages"][0]["content"], str) else [] for row in rows]
+    images = [
+        [p["image"] for p in row["messages"][0]["content"] if isinstance(p, dict) and p["type"] == "image"]
+        if not isinstance(row["messages"][0]["content"], str)
+        else []
+        for row in rows
+    ]
     assert {len(i) for i in images} == {0, 1, 2}
     sizes = [Image.open(io.BytesIO(png)).size for row_images in images for png in row_images]
     aspects = [w / h for w, h in sizes]
@@ -151,8 +155,10 @@ def test_images_from_files_resolve_against_the_jsonl_and_match_preprocess(tmp_pa
     Image.new("RGBA", (9, 30), (0, 0, 255, 128)).save(data_dir / "img" / "2.png")
     rows = [
         image_chat([{"type": "image", "image": "img/1.png"}, {"type": "text", "text": "what?"}]),
-        {"messages": [{"role": "user", "content": "<image> and <image>"}, {"role": "assistant", "content": "b"}],
-         "images": ["img/2.png", "img/1.png"]},
+        {
+            "messages": [{"role": "user", "content": "<image> and <image>"}, {"role": "assistant", "content": "b"}],
+            "images": ["img/2.png", "img/1.png"],
+        },
         {"text": "plain"},
     ]
     write_jsonl(data_dir / "rows.jsonl", rows)
@@ -190,8 +196,12 @@ def test_pixels_are_decoded_only_for_the_ranks_share(monkeypatch):
     rows = BUILTIN_TASKS["shapes"](64, seed=3)
     decoded, sized = [], []
     real_load, real_size = vision_samples.load_image, vision_samples.image_size
-    monkeypatch.setattr(vision_samples, "load_image", lambda source, where: decoded.append(where) or real_load(source, where))
-    monkeypatch.setattr(vision_samples, "image_size", lambda source, where: sized.append(where) or real_size(source, where))
+    monkeypatch.setattr(
+        vision_samples, "load_image", lambda source, where: decoded.append(where) or real_load(source, where)
+    )
+    monkeypatch.setattr(
+        vision_samples, "image_size", lambda source, where: sized.append(where) or real_size(source, where)
+    )
     whole = SFTDataLoader(rows, TOKENIZER, 1024, 8, "drop", 5, 0, 1, vision=VISION)
     global_batch = next(whole)
     all_images = list(decoded)
@@ -221,14 +231,18 @@ def test_truncation_never_cuts_an_image():
     assert all(len(sample) == 20 for sample in batch)
     for sample in batch:
         check_vision_sample(sample)
-        assert sample.input_ids[header : header + 6].tolist() == [IDS.image] * 2 + [IDS.image_break] + [IDS.image] * 2 + [IDS.image_end]
+        assert sample.input_ids[header : header + 6].tolist() == [IDS.image] * 2 + [IDS.image_break] + [
+            IDS.image
+        ] * 2 + [IDS.image_end]
     stats = loader.stats()
     # Every visit of image_last (its image would be cut) is dropped and counted; image_first is truncated.
     assert stats["num_dropped_image_cut"] > 0 and stats["num_truncated"] == 2
     assert stats["num_samples"] == 2 and stats["num_images"] == 2
     # The boundary: every placeholder must be an input token (inputs are the first seq_len tokens).
     for seq_len, kept in [(12, True), (11, False)]:
-        boundary = SFTDataLoader([image_first, {"text": "x"}], TOKENIZER, seq_len, 1, "truncate", 0, 0, 1, vision=VISION)
+        boundary = SFTDataLoader(
+            [image_first, {"text": "x"}], TOKENIZER, seq_len, 1, "truncate", 0, 0, 1, vision=VISION
+        )
         for _ in range(2):  # kept: exactly one epoch of the two rows
             next(boundary)
         stats = boundary.stats()
@@ -240,26 +254,62 @@ def test_truncation_never_cuts_an_image():
 
 def test_text_runs_have_no_vision_counters():
     assert set(make_loader(STREAM_ROWS).stats()) == {
-        "num_samples", "num_truncated", "num_dropped", "num_too_short", "num_without_loss_tokens"
+        "num_samples",
+        "num_truncated",
+        "num_dropped",
+        "num_too_short",
+        "num_without_loss_tokens",
     }
 
 
 @pytest.mark.parametrize(
     "row, vision, message",
     [
-        (image_chat([{"type": "image", "image": "missing.png"}]), VISION,
-         r"dataset row 0 image 0 \(message 0 part 0\): image file 'missing.png' does not exist"),
-        (image_chat([{"type": "image", "image": b"garbage"}]), VISION, r"dataset row 0 image 0 \(message 0 part 0\): cannot decode 7 bytes"),
-        ({"text": "<image><image>", "images": [b"x"]}, VISION, r"dataset row 0: .*2 '<image>' markers but its 'images' list has 1"),
-        (image_chat([{"type": "image", "image": solid_png(400, 2)}]), VISION, r"dataset row 0 image 0 .*: a 400x2 image cannot fit in max_image_tokens=16"),
-        (image_chat([{"type": "image", "image": solid_png(2000, 10)}]), dataclasses.replace(VISION, max_patches_per_side=80),
-         r"dataset row 0 image 0 .*: a 2000x10 image \(scaled down to 320x1 .*\) cannot fit in max_image_tokens=16"),
-        (image_chat([{"type": "image", "image": solid_png(8, 8)}]), None, r"dataset row 0 has 1 image\(s\) but the model has no vision tower"),
-        (image_chat([{"type": "image", "image": solid_png(64, 64)}, {"type": "image", "image": solid_png(64, 64)}]),
-         dataclasses.replace(VISION, max_patches_per_microbatch=100),
-         r"dataset row 0: its 2 image\(s\) have 128 vision patches, more than training.max_patches_per_microbatch=100"),
+        (
+            image_chat([{"type": "image", "image": "missing.png"}]),
+            VISION,
+            r"dataset row 0 image 0 \(message 0 part 0\): image file 'missing.png' does not exist",
+        ),
+        (
+            image_chat([{"type": "image", "image": b"garbage"}]),
+            VISION,
+            r"dataset row 0 image 0 \(message 0 part 0\): cannot decode 7 bytes",
+        ),
+        (
+            {"text": "<image><image>", "images": [b"x"]},
+            VISION,
+            r"dataset row 0: .*2 '<image>' markers but its 'images' list has 1",
+        ),
+        (
+            image_chat([{"type": "image", "image": solid_png(400, 2)}]),
+            VISION,
+            r"dataset row 0 image 0 .*: a 400x2 image cannot fit in max_image_tokens=16",
+        ),
+        (
+            image_chat([{"type": "image", "image": solid_png(2000, 10)}]),
+            dataclasses.replace(VISION, max_patches_per_side=80),
+            r"dataset row 0 image 0 .*: a 2000x10 image \(scaled down to 320x1 .*\) cannot fit in max_image_tokens=16",
+        ),
+        (
+            image_chat([{"type": "image", "image": solid_png(8, 8)}]),
+            None,
+            r"dataset row 0 has 1 image\(s\) but the model has no vision tower",
+        ),
+        (
+            image_chat([{"type": "image", "image": solid_png(64, 64)}, {"type": "image", "image": solid_png(64, 64)}]),
+            dataclasses.replace(VISION, max_patches_per_microbatch=100),
+            r"dataset row 0: its 2 image\(s\) have 128 vision patches, more than training.max_patches_per_microbatch=100",
+        ),
     ],
-    ids=["missing-file", "undecodable", "marker-count", "cannot-fit", "cannot-fit-scaled", "text-model", "over-patch-budget"],
+    ids=[
+        "missing-file",
+        "undecodable",
+        "marker-count",
+        "cannot-fit",
+        "cannot-fit-scaled",
+        "text-model",
+        "over-patch-budget",
+    ],
 )
 def test_image_row_errors_name_the_row(row, vision, message):
     loader = SFTDataLoader([row], TOKENIZER, 512, 1, "drop", 0, 0, 1, vision=vision)
@@ -285,11 +335,25 @@ def test_image_tokens_of_the_tokenizer(tmp_path):
     # A tokenizer without image tokens is fine for text rows, even with a vision config ...
     assert len(next(SFTDataLoader([{"text": "hi"}], text_tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION))) == 1
     # ... and an error naming the missing token once a row has an image.
-    loader = SFTDataLoader([image_chat([{"type": "image", "image": solid_png(8, 8)}])], text_tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION)
-    with pytest.raises(ValueError, match=r"dataset row 0 has images, but the tokenizer has no token for image_token='\[IMG\]'"):
+    loader = SFTDataLoader(
+        [image_chat([{"type": "image", "image": solid_png(8, 8)}])],
+        text_tokenizer,
+        64,
+        1,
+        "drop",
+        0,
+        0,
+        1,
+        vision=VISION,
+    )
+    with pytest.raises(
+        ValueError, match=r"dataset row 0 has images, but the tokenizer has no token for image_token='\[IMG\]'"
+    ):
         next(loader)
     # Text that tokenizes to a placeholder token would take a feature no image provides.
-    vlm_tokenizer = HFTokenizer(str(make_hf_tokenizer_dir(tmp_path / "vlm", SPECIAL_TOKENS + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"])))
+    vlm_tokenizer = HFTokenizer(
+        str(make_hf_tokenizer_dir(tmp_path / "vlm", SPECIAL_TOKENS + ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]))
+    )
     loader = SFTDataLoader([{"text": "look: [IMG]"}], vlm_tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION)
     with pytest.raises(ValueError, match=r"dataset row 0: its text tokenizes to the image placeholder token '\[IMG\]'"):
         next(loader)
@@ -303,22 +367,43 @@ def test_a_stock_qwen_tokenizer_gets_its_vision_specials_as_placeholders(tmp_pat
     pad, row_end, end = (reference.token_to_id(t) for t in ["<|image_pad|>", "<|vision_pad|>", "<|vision_end|>"])
     tokenizer = HFTokenizer(str(directory))
     # A 16 x 24 pixel image in 8-pixel units: 2 rows of 3 features.
-    (sample,) = next(SFTDataLoader([image_chat([{"type": "image", "image": solid_png(24, 16)}])], tokenizer, 128, 1,
-                                   "drop", 0, 0, 1, vision=VISION))
+    (sample,) = next(
+        SFTDataLoader(
+            [image_chat([{"type": "image", "image": solid_png(24, 16)}])],
+            tokenizer,
+            128,
+            1,
+            "drop",
+            0,
+            0,
+            1,
+            vision=VISION,
+        )
+    )
     header = [tokenizer.im_start_id] + tokenizer.encode("user\n")
     placeholders = [pad, pad, pad, row_end, pad, pad, pad, end]
     assert sample.input_ids[: len(header) + 8].tolist() == header + placeholders
     assert sample.vision_rows[len(header) : len(header) + 8].tolist() == [0, 1, 2, -1, 3, 4, 5, -1]
     # Those specials are now placeholders: text that tokenizes to one is refused.
     loader = SFTDataLoader([{"text": "see <|vision_pad|>"}], tokenizer, 64, 1, "drop", 0, 0, 1, vision=VISION)
-    with pytest.raises(ValueError, match=r"dataset row 0: its text tokenizes to the image placeholder token '<\|vision_pad\|>'"):
+    with pytest.raises(
+        ValueError, match=r"dataset row 0: its text tokenizes to the image placeholder token '<\|vision_pad\|>'"
+    ):
         next(loader)
 
 
 def test_resume_with_images_and_balancing_is_exact():
     rows = BUILTIN_TASKS["shapes"](40, seed=4)
-    kwargs = dict(seq_len=256, global_batch_size=8, long_sample_policy="truncate", seed=3, batch_rank=1, batch_degree=2,
-                  vision=VISION, balance_dp_compute=True)
+    kwargs = dict(
+        seq_len=256,
+        global_batch_size=8,
+        long_sample_policy="truncate",
+        seed=3,
+        batch_rank=1,
+        batch_degree=2,
+        vision=VISION,
+        balance_dp_compute=True,
+    )
     uninterrupted = iter(build_sft_dataloader(rows, TOKENIZER, **kwargs))
     expected = [next(uninterrupted) for _ in range(8)]  # 64 samples: more than one epoch
     first = build_sft_dataloader(rows, TOKENIZER, **kwargs)
@@ -332,11 +417,15 @@ def test_resume_with_images_and_balancing_is_exact():
     for step in range(3, 8):
         batch = next(resumed_iter)
         for sample, reference in zip(batch, expected[step], strict=True):
-            assert torch.equal(sample.input_ids, reference.input_ids) and torch.equal(sample.loss_mask, reference.loss_mask)
+            assert torch.equal(sample.input_ids, reference.input_ids) and torch.equal(
+                sample.loss_mask, reference.loss_mask
+            )
             assert (sample.vision_rows is None) == (reference.vision_rows is None)
             if sample.images:
                 assert torch.equal(sample.vision_rows, reference.vision_rows)
-                assert all(torch.equal(a.patches, b.patches) for a, b in zip(sample.images, reference.images, strict=True))
+                assert all(
+                    torch.equal(a.patches, b.patches) for a, b in zip(sample.images, reference.images, strict=True)
+                )
     assert resumed.dataset.stats()["num_images"] > 0
 
 
@@ -348,8 +437,10 @@ def sample_key(sample):
 def test_balanced_shares_cover_the_same_global_batch(degree):
     rows = BUILTIN_TASKS["shapes"](48, seed=6)
     whole = SFTDataLoader(rows, TOKENIZER, 512, 8, "drop", 1, 0, 1, vision=VISION)
-    split = [SFTDataLoader(rows, TOKENIZER, 512, 8, "drop", 1, r, degree, vision=VISION, balance_dp_compute=True)
-             for r in range(degree)]
+    split = [
+        SFTDataLoader(rows, TOKENIZER, 512, 8, "drop", 1, r, degree, vision=VISION, balance_dp_compute=True)
+        for r in range(degree)
+    ]
     num_moved = 0
     for _ in range(4):
         global_batch = next(whole)
@@ -363,7 +454,11 @@ def test_balanced_shares_cover_the_same_global_batch(degree):
         num_moved += expected != contiguous_split(8, degree)
         stats = [loader.balance_stats() for loader in split]
         assert all(s == stats[0] for s in stats)
-        assert stats[0]["dp_cost_imbalance"] == stats[0]["dp_cost_imbalance_balanced"] == pytest.approx(imbalance(costs, expected))
+        assert (
+            stats[0]["dp_cost_imbalance"]
+            == stats[0]["dp_cost_imbalance_balanced"]
+            == pytest.approx(imbalance(costs, expected))
+        )
         assert stats[0]["dp_cost_imbalance_balanced"] <= stats[0]["dp_cost_imbalance_contiguous"]
         assert whole.balance_stats()["dp_cost_imbalance"] == 1.0
     assert num_moved > 0

@@ -1,6 +1,7 @@
 """The Pixtral vision encoder against HF transformers' PixtralVisionModel (tiny, offline)."""
 
 import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,12 @@ from torchtitan_rl.models.vision.args import VisionArgs
 from torchtitan_rl.models.vision.model import VisionTransformer, axial_rotary_cos_sin, patch_coordinates
 
 ARGS = VisionArgs(
-    dim=32, n_layers=2, n_heads=4, hidden_dim=48, patch_size=4, num_channels=3,
+    dim=32,
+    n_layers=2,
+    n_heads=4,
+    hidden_dim=48,
+    patch_size=4,
+    num_channels=3,
     rope_theta=1000.0,  # not the default, so a wrong theta would show
     max_patches_per_side=16,
 )
@@ -71,8 +77,15 @@ def hf_and_ours(args: VisionArgs = ARGS):
     renamed = {}
     for key, tensor in hf.state_dict().items():
         key = key.replace("patch_conv.", "patch_embedding.").replace("transformer.layers.", "layers.")
-        for hf_name, name in [("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo"),
-                              ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")]:
+        for hf_name, name in [
+            ("q_proj", "wq"),
+            ("k_proj", "wk"),
+            ("v_proj", "wv"),
+            ("o_proj", "wo"),
+            ("gate_proj", "w1"),
+            ("up_proj", "w3"),
+            ("down_proj", "w2"),
+        ]:
             key = key.replace(f".{hf_name}.", f".{name}.")
         renamed[key] = tensor
     ours.load_state_dict(renamed, strict=True)

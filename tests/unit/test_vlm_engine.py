@@ -18,10 +18,32 @@ PATCH_DIM = ARGS.vision.patch_dim
 def engine(freeze_vision: bool = False, max_tokens: int = 0, max_patches: int = 0, vision: bool = True) -> Engine:
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(ARGS, parallel_dims=dims, device=torch.device("cpu"), seed=0, param_dtype=torch.float32, freeze_vision=freeze_vision)
+    model = build_model(
+        ARGS,
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        seed=0,
+        param_dtype=torch.float32,
+        freeze_vision=freeze_vision,
+    )
     optimizer = build_optimizer(model, 1e-3, 0.9, 0.95, 1e-8, 0.0)
-    options = EngineOptions(reduction="token_mean", horizon=1, max_tokens_per_microbatch=max_tokens, logits_chunk_size=64, max_norm=0.0, vision=vision_packing(ARGS) if vision else None, max_patches_per_microbatch=max_patches)
-    return Engine(model, optimizer=optimizer, lr_scheduler=build_lr_scheduler(optimizer, 10, 0, "linear", 0.0), parallel_dims=dims, device=torch.device("cpu"), options=options)
+    options = EngineOptions(
+        reduction="token_mean",
+        horizon=1,
+        max_tokens_per_microbatch=max_tokens,
+        logits_chunk_size=64,
+        max_norm=0.0,
+        vision=vision_packing(ARGS) if vision else None,
+        max_patches_per_microbatch=max_patches,
+    )
+    return Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=build_lr_scheduler(optimizer, 10, 0, "linear", 0.0),
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        options=options,
+    )
 
 
 def sample(grids: list[tuple[int, int]], seed: int, n: int = 30) -> Sample:
@@ -32,8 +54,13 @@ def sample(grids: list[tuple[int, int]], seed: int, n: int = 30) -> Sample:
         rows[at : at + num] = torch.arange(num) + int((rows >= 0).sum())
         at += num + 1
         images.append(SampleImage(torch.randn(r * c, PATCH_DIM, generator=gen), r, c))
-    return Sample(input_ids=torch.randint(0, 250, (n,), generator=gen), labels=torch.randint(0, 250, (n,), generator=gen),
-                  loss_mask=torch.arange(n) > at, images=images or None, vision_rows=rows if images else None)
+    return Sample(
+        input_ids=torch.randint(0, 250, (n,), generator=gen),
+        labels=torch.randint(0, 250, (n,), generator=gen),
+        loss_mask=torch.arange(n) > at,
+        images=images or None,
+        vision_rows=rows if images else None,
+    )
 
 
 SAMPLES = [sample([(2, 4), (4, 4)], 0), sample([], 1), sample([(2, 2)], 2)]
@@ -67,14 +94,27 @@ def test_micro_batch_budgets_do_not_change_the_gradient():
         torch.testing.assert_close(grads(split)[fqn], g, rtol=1e-5, atol=1e-7, msg=fqn)
 
 
-@pytest.mark.parametrize("spoil, vision, message", [
-    (lambda s: None, False, r"sample 0 of this rank's 3 has images, but the model has no vision tower"),
-    (lambda s: s[0].vision_rows.__setitem__(2, -1), True,
-     r"sample 0 of this rank's 3: its images give 6 feature rows, .* vision_rows has 5 image tokens"),
-    (lambda s: setattr(s[2].images[0], "rows", 3), True, r"sample 2 .* 3x2 patch grid, not a multiple of the merge size 2"),
-    (lambda s: s[2].images.__setitem__(0, SampleImage(torch.zeros(4, 5), 2, 2)), True,
-     rf"sample 2 .* patches of shape \(4, 5\), expected \(4, {PATCH_DIM}\)"),
-])
+@pytest.mark.parametrize(
+    "spoil, vision, message",
+    [
+        (lambda s: None, False, r"sample 0 of this rank's 3 has images, but the model has no vision tower"),
+        (
+            lambda s: s[0].vision_rows.__setitem__(2, -1),
+            True,
+            r"sample 0 of this rank's 3: its images give 6 feature rows, .* vision_rows has 5 image tokens",
+        ),
+        (
+            lambda s: setattr(s[2].images[0], "rows", 3),
+            True,
+            r"sample 2 .* 3x2 patch grid, not a multiple of the merge size 2",
+        ),
+        (
+            lambda s: s[2].images.__setitem__(0, SampleImage(torch.zeros(4, 5), 2, 2)),
+            True,
+            rf"sample 2 .* patches of shape \(4, 5\), expected \(4, {PATCH_DIM}\)",
+        ),
+    ],
+)
 def test_bad_image_inputs_name_the_sample(spoil, vision, message):
     samples = [sample([(2, 4), (4, 4)], 0), sample([], 1), sample([(2, 2)], 2)]
     spoil(samples)
@@ -83,5 +123,7 @@ def test_bad_image_inputs_name_the_sample(spoil, vision, message):
 
 
 def test_sample_over_the_patch_budget_is_refused():
-    with pytest.raises(ValueError, match=r"a sample of 24 vision patches exceeds training.max_patches_per_microbatch=16"):
+    with pytest.raises(
+        ValueError, match=r"a sample of 24 vision patches exceeds training.max_patches_per_microbatch=16"
+    ):
         engine(max_patches=16).forward_backward(SAMPLES)

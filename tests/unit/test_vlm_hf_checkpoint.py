@@ -55,7 +55,9 @@ def test_hf_directory_loads_and_export_reloads_in_transformers(tmp_path, tie_emb
 def test_checkpoint_of_another_vision_tower_names_the_difference(tmp_path):
     hf, ours = hf_and_ours()
     hf.save_pretrained(tmp_path / "hf")
-    with pytest.raises(ValueError, match=r"config.json says .*vision.dim=32, .*model.flavor=.debugmodel. has .*vision.dim=64"):
+    with pytest.raises(
+        ValueError, match=r"config.json says .*vision.dim=32, .*model.flavor=.debugmodel. has .*vision.dim=64"
+    ):
         check_flavor(read_hf_model_args(str(tmp_path / "hf")), "debugmodel", "config.json", vlm_flavors)
 
 
@@ -84,14 +86,26 @@ def test_image_token_of_another_id_than_the_tokenizers_is_replaced_with_a_warnin
 @pytest.mark.parametrize(
     "where, change, message",
     [
-        ("vision_config", {"num_attention_heads": 3, "head_dim": 10},
-         "config.json vision_config: hidden_size=32 must be a multiple of num_attention_heads=3"),
-        ("vision_config", {"num_attention_heads": 16, "head_dim": 2},
-         "config.json vision_config: head_dim = hidden_size / num_attention_heads = 2 must be a multiple of 4"),
-        ("", {"image_token_index": 64}, "config.json: image_token_index must be a token id in "
-                                         "[0, text_config.vocab_size=64), got 64"),
-        ("text_config", {"num_key_value_heads": 3},
-         "config.json text_config: num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+        (
+            "vision_config",
+            {"num_attention_heads": 3, "head_dim": 10},
+            "config.json vision_config: hidden_size=32 must be a multiple of num_attention_heads=3",
+        ),
+        (
+            "vision_config",
+            {"num_attention_heads": 16, "head_dim": 2},
+            "config.json vision_config: head_dim = hidden_size / num_attention_heads = 2 must be a multiple of 4",
+        ),
+        (
+            "",
+            {"image_token_index": 64},
+            "config.json: image_token_index must be a token id in [0, text_config.vocab_size=64), got 64",
+        ),
+        (
+            "text_config",
+            {"num_key_value_heads": 3},
+            "config.json text_config: num_attention_heads=4 must be a multiple of num_key_value_heads=3",
+        ),
     ],
 )
 def test_architecture_errors_of_a_config_name_the_file_and_field(tmp_path, where, change, message):

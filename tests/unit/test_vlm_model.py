@@ -15,13 +15,13 @@ from transformers import (
     Qwen3Config,
 )
 
+from test_vision_model import hf_vision_config, padded_pixels, patchify
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, architecture_differences, check_flavor, find_flavor
 from torchtitan_rl.models.qwen3.model import Qwen3Model, param_seed
 from torchtitan_rl.models.vision.args import VisionArgs
 from torchtitan_rl.models.vlm.args import VLMModelArgs, vlm_flavors
 from torchtitan_rl.models.vlm.model import VisionInputs, VLMModel, merge_vision_features
 from torchtitan_rl.models.vlm.state_dict_adapter import from_hf, to_hf
-from test_vision_model import hf_vision_config, padded_pixels, patchify
 
 IMG, IMG_BREAK, IMG_END = 10, 11, 12  # HF's image token; break / end are ordinary tokens
 FIRST_TEXT_TOKEN = 13
@@ -32,32 +32,63 @@ SAMPLE_IMAGES = [[(18, 33)], [], [(32, 16), (8, 8), (48, 48)], [(16, 24), (24, 8
 
 def small_args(tie_embeddings=False, projector_bias=False, attn_backend="sdpa_dense") -> VLMModelArgs:
     return VLMModelArgs(
-        vocab_size=64, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, hidden_dim=80,
+        vocab_size=64,
+        dim=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=12,
+        hidden_dim=80,
         # Far from Pixtral's 1e-5, so a projector norm with the vision eps would show.
         norm_eps=1e-3,
-        rope_theta=10_000.0, tie_embeddings=tie_embeddings, max_seq_len=256, attn_backend=attn_backend,
+        rope_theta=10_000.0,
+        tie_embeddings=tie_embeddings,
+        max_seq_len=256,
+        attn_backend=attn_backend,
         vision=VisionArgs(
-            dim=32, n_layers=2, n_heads=4, hidden_dim=48, patch_size=4, rope_theta=1000.0,
-            max_patches_per_side=16, attn_backend=attn_backend,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=48,
+            patch_size=4,
+            rope_theta=1000.0,
+            max_patches_per_side=16,
+            attn_backend=attn_backend,
         ),
-        spatial_merge_size=2, image_token_id=IMG, projector_bias=projector_bias,
+        spatial_merge_size=2,
+        image_token_id=IMG,
+        projector_bias=projector_bias,
     )
 
 
 def hf_config(args: VLMModelArgs) -> Mistral3Config:
     """Written out field by field (transformers' defaults differ from shipped checkpoints)."""
     text = Qwen3Config(
-        vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
-        intermediate_size=args.hidden_dim, hidden_act="silu", rms_norm_eps=args.norm_eps,
+        vocab_size=args.vocab_size,
+        hidden_size=args.dim,
+        num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        intermediate_size=args.hidden_dim,
+        hidden_act="silu",
+        rms_norm_eps=args.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-        tie_word_embeddings=args.tie_embeddings, max_position_embeddings=args.max_seq_len,
-        attention_bias=False, attention_dropout=0.0, use_sliding_window=False,
+        tie_word_embeddings=args.tie_embeddings,
+        max_position_embeddings=args.max_seq_len,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
     )
     config = Mistral3Config(
-        vision_config=hf_vision_config(args.vision), text_config=text, image_token_index=IMG,
-        projector_hidden_act="gelu", vision_feature_layer=-1, multimodal_projector_bias=args.projector_bias,
-        spatial_merge_size=args.spatial_merge_size, tie_word_embeddings=args.tie_embeddings,
+        vision_config=hf_vision_config(args.vision),
+        text_config=text,
+        image_token_index=IMG,
+        projector_hidden_act="gelu",
+        vision_feature_layer=-1,
+        multimodal_projector_bias=args.projector_bias,
+        spatial_merge_size=args.spatial_merge_size,
+        tie_word_embeddings=args.tie_embeddings,
     )
     config._attn_implementation = "eager"  # plain math, independent of SDPA
     return config
@@ -270,20 +301,27 @@ def test_architecture_differences_cover_vision_and_skip_runtime_fields():
     args = vlm_flavors["debugmodel"]
     assert find_flavor(args, vlm_flavors) == "debugmodel"
     runtime = dataclasses.replace(
-        args, attn_backend="sdpa_loop", image_token_id=3, vision=dataclasses.replace(args.vision, attn_backend="sdpa_loop")
+        args,
+        attn_backend="sdpa_loop",
+        image_token_id=3,
+        vision=dataclasses.replace(args.vision, attn_backend="sdpa_loop"),
     )
     assert architecture_differences(runtime, args) == []
     wider = dataclasses.replace(args, vision=dataclasses.replace(args.vision, n_layers=3), spatial_merge_size=1)
     assert architecture_differences(wider, args) == [("vision.n_layers", 3, 2), ("spatial_merge_size", 1, 2)]
     with pytest.raises(ValueError, match="vision.n_layers=3"):
         check_flavor(wider, "debugmodel", "config.json", vlm_flavors)
-    assert architecture_differences(args, Qwen3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Qwen3ModelArgs)}))
+    assert architecture_differences(
+        args, Qwen3ModelArgs(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Qwen3ModelArgs)})
+    )
 
 
 def test_text_only_forward_equals_qwen3_model():
     _, ours = hf_and_ours()
     lm = Qwen3Model(Qwen3ModelArgs(**{f.name: getattr(ours.args, f.name) for f in dataclasses.fields(Qwen3ModelArgs)}))
-    lm.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.startswith(("vision_tower.", "projector."))})
+    lm.load_state_dict(
+        {k: v for k, v in ours.state_dict().items() if not k.startswith(("vision_tower.", "projector."))}
+    )
     tokens = torch.randint(64, (20,), generator=torch.Generator().manual_seed(6))
     positions = torch.cat([torch.arange(12), torch.arange(8)])
     seq_ids = torch.cat([torch.zeros(12, dtype=torch.long), torch.ones(8, dtype=torch.long)])
@@ -359,4 +397,6 @@ def test_args_validation():
     with pytest.raises(ValueError, match="spatial_merge_size"):
         dataclasses.replace(small_args(), spatial_merge_size=0)
     with pytest.raises(ValueError, match="norm_eps"):
-        dataclasses.replace(small_args(), vision=dataclasses.replace(small_args().vision, norm_eps=1e-6)).to_hf_config("float32")
+        dataclasses.replace(small_args(), vision=dataclasses.replace(small_args().vision, norm_eps=1e-6)).to_hf_config(
+            "float32"
+        )

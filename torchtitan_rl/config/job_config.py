@@ -6,7 +6,7 @@ the field (``bounded``) so the parser can check them and ``--help`` can print th
 """
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from torchtitan_rl.config.validation import validate_job_config
 
@@ -272,7 +272,7 @@ class Loss:
     prompt_mean: every prompt group weighs the same, then every token within it
     (1/(P*N_p), SkyRL); RL recipes only, samples need a prompt group."""
 
-    horizon: Optional[int] = bounded(None, gt=0)
+    horizon: int | None = bounded(None, gt=0)
     """The constant L of seq_mean_token_sum_norm. None uses training.seq_len."""
 
     logits_chunk_size: int = bounded(1024, gt=0)
@@ -294,7 +294,7 @@ class Loss:
     """ppo / cispo: the ratio's upper clip bound is 1 + clip_high; >= 0 (DAPO's clip-higher
     uses e.g. 0.28)."""
 
-    dual_clip_c: Optional[float] = None
+    dual_clip_c: float | None = None
     """ppo: dual clip for negative advantages, the loss never exceeds -dual_clip_c * A; > 1.
     None disables it."""
 

@@ -55,9 +55,7 @@ class ConfigManager:
     def __init__(self, config_cls: type = JobConfig):
         self.config_cls = config_cls
         hints = typing.get_type_hints(config_cls)
-        self.sections: dict[str, type] = {
-            f.name: hints[f.name] for f in dataclasses.fields(config_cls)
-        }
+        self.sections: dict[str, type] = {f.name: hints[f.name] for f in dataclasses.fields(config_cls)}
         self.fields: dict[str, _Field] = {}
         for section, section_cls in self.sections.items():
             hints = typing.get_type_hints(section_cls)
@@ -129,9 +127,7 @@ class ConfigManager:
             arg = argv[i]
             i += 1
             if not arg.startswith("--") or arg == "--":
-                raise ValueError(
-                    f"unexpected argument {arg!r}: overrides look like --section.key value"
-                )
+                raise ValueError(f"unexpected argument {arg!r}: overrides look like --section.key value")
             key, eq, text = arg[2:].partition("=")
             field = self._lookup(key)
             if not eq:
@@ -158,9 +154,7 @@ class ConfigManager:
             for section, table in data.items():
                 if section not in self.sections:
                     candidates = list(self.sections) + list(self.fields)
-                    raise ValueError(
-                        f"unknown config section '{section}'{_did_you_mean(section, candidates)}"
-                    )
+                    raise ValueError(f"unknown config section '{section}'{_did_you_mean(section, candidates)}")
                 if not isinstance(table, dict):
                     raise ValueError(f"{section}: expected a [{section}] table")
                 for name, value in table.items():
@@ -232,9 +226,7 @@ def _check_literal(key: str, value, tp):
     allowed = typing.get_args(tp)
     # type() as well as ==: True == 1 must not pass for Literal[1].
     if not any(type(value) is type(a) and value == a for a in allowed):
-        raise ValueError(
-            f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
-        )
+        raise ValueError(f"{key}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
     return value
 
 

@@ -18,12 +18,19 @@ HF_FLAVOR = "hf"
 RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
 # SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
 _SFT_DATA_KEYS = (
-    "dataset", "dataset_path", "global_batch_size", "balance_dp_compute", "dataset_cache_dir",
-    "dataset_cache_timeout_seconds", "dataset_prefetch",
+    "dataset",
+    "dataset_path",
+    "global_batch_size",
+    "balance_dp_compute",
+    "dataset_cache_dir",
+    "dataset_cache_timeout_seconds",
+    "dataset_prefetch",
 )
 # Keys that only a model with a vision tower reads.
-_VISION_KEYS = (("model", ("freeze_vision", "image_token", "image_break_token", "image_end_token")),
-                ("training", ("max_patches_per_microbatch", "max_image_tokens")))
+_VISION_KEYS = (
+    ("model", ("freeze_vision", "image_token", "image_break_token", "image_end_token")),
+    ("training", ("max_patches_per_microbatch", "max_image_tokens")),
+)
 
 
 def validate_job_config(cfg) -> None:
@@ -108,9 +115,7 @@ def _check_moe(cfg, is_moe: bool, source: str) -> None:
             if source
             else f"model.flavor={cfg.model.flavor!r} has no experts (a dense model)"
         )
-        raise ValueError(
-            f"moe.{unused[0]}: {model}; choose a MoE flavor such as 'debugmodel_moe' or remove the key"
-        )
+        raise ValueError(f"moe.{unused[0]}: {model}; choose a MoE flavor such as 'debugmodel_moe' or remove the key")
 
 
 def _check_no_vision_keys(cfg) -> None:

@@ -203,7 +203,9 @@ def _marker_images(row: dict[str, Any]) -> Sequence[Any] | None:
     if images is None:
         return None
     if not isinstance(images, (list, tuple)):
-        raise ValueError(f"'images' must be a list of images (one per {IMAGE_MARKER!r} marker), got {type(images).__name__}")
+        raise ValueError(
+            f"'images' must be a list of images (one per {IMAGE_MARKER!r} marker), got {type(images).__name__}"
+        )
     return images
 
 

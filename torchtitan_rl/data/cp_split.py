@@ -14,6 +14,7 @@ def microbatch_layout(mb: MicroBatch, cp: int, multiple: int = 1) -> ZigzagLayou
     segment_lens = torch.bincount(mb.seq_ids, minlength=mb.num_seqs).tolist()
     return ZigzagLayout.build(segment_lens, cp, multiple)
 
+
 def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> MicroBatch:
     """CP rank ``rank``'s share of a whole micro-batch.
 
@@ -27,7 +28,10 @@ def shard_microbatch(mb: MicroBatch, cp: int, rank: int, multiple: int = 1) -> M
     layout = microbatch_layout(mb, cp, multiple)
     return replace(
         mb,
-        **{name: layout.split(values, rank, TOKEN_PAD_VALUES.get(name, 0)) for name, values in mb.token_fields().items()},
+        **{
+            name: layout.split(values, rank, TOKEN_PAD_VALUES.get(name, 0))
+            for name, values in mb.token_fields().items()
+        },
         positions=layout.positions(rank),
         seq_ids=layout.seq_ids(rank),
         cp_layout=layout,

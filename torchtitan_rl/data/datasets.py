@@ -77,7 +77,9 @@ _PARQUET_ERRORS = (pa.ArrowException, OSError)
 
 
 def _damaged_shard(file: Path, err: Exception) -> ValueError:
-    return ValueError(f"dataset file {str(file)!r} is damaged or not a parquet file ({str(err).strip()}); replace or remove it")
+    return ValueError(
+        f"dataset file {str(file)!r} is damaged or not a parquet file ({str(err).strip()}); replace or remove it"
+    )
 
 
 def _num_rows(file: Path) -> int:
@@ -101,7 +103,10 @@ def _first_unreadable(files: list[Path]) -> tuple[Path, Exception] | None:
 def _parquet_dataset(files: list[Path], cache_dir: str, keep_in_memory: bool) -> datasets.Dataset:
     try:
         return datasets.load_dataset(
-            "parquet", data_files=[str(f) for f in files], split="train", keep_in_memory=keep_in_memory,
+            "parquet",
+            data_files=[str(f) for f in files],
+            split="train",
+            keep_in_memory=keep_in_memory,
             cache_dir=cache_dir,
         )
     except Exception as err:  # noqa: BLE001  (re-raised with the files, as datasets' errors do not name them)
@@ -142,8 +147,12 @@ def _load_parquet(files: list[Path], cache_dir: str | None, timeout_s: float) ->
 def _load_json(files: list[Path], cache_dir: str | None, timeout_s: float) -> FileRows:
     if cache_dir is None:
         return read_json_files(files)
-    path = prepare_once(cache_dir, cache_name("json", files, FORMAT_VERSION) + ".arrow",
-                        lambda sink: write_json_rows(files, sink), timeout_s)
+    path = prepare_once(
+        cache_dir,
+        cache_name("json", files, FORMAT_VERSION) + ".arrow",
+        lambda sink: write_json_rows(files, sink),
+        timeout_s,
+    )
     try:
         # Zero-copy: the table's buffers are the mapped file's pages, shared by every process mapping it.
         table = pa.ipc.open_file(pa.memory_map(path)).read_all()

@@ -115,7 +115,12 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def target_size(
-    height: int, width: int, patch_size: int, merge_size: int, max_image_tokens: int, max_units_per_side: int | None = None
+    height: int,
+    width: int,
+    patch_size: int,
+    merge_size: int,
+    max_image_tokens: int,
+    max_units_per_side: int | None = None,
 ) -> tuple[int, int]:
     """``(height, width)`` an image is resized to before patchifying.
 
@@ -143,8 +148,13 @@ def target_size(
     ``height*s`` or ``width*s`` is a whole number of units, so the best ``s`` is one of those
     breakpoints; each family is searched by bisection, in exact integer arithmetic.
     """
-    for name, value in [("height", height), ("width", width), ("patch_size", patch_size),
-                        ("merge_size", merge_size), ("max_image_tokens", max_image_tokens)]:
+    for name, value in [
+        ("height", height),
+        ("width", width),
+        ("patch_size", patch_size),
+        ("merge_size", merge_size),
+        ("max_image_tokens", max_image_tokens),
+    ]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"target_size: {name} must be an int >= 1, got {value!r}")
     unit = patch_size * merge_size
@@ -190,10 +200,17 @@ def target_size(
 
 
 def image_grid(
-    height: int, width: int, patch_size: int, merge_size: int, max_image_tokens: int, max_units_per_side: int | None = None
+    height: int,
+    width: int,
+    patch_size: int,
+    merge_size: int,
+    max_image_tokens: int,
+    max_units_per_side: int | None = None,
 ) -> tuple[int, int]:
     """The ``(rows, cols)`` patch grid of an image of this size after ``target_size``."""
-    target_height, target_width = target_size(height, width, patch_size, merge_size, max_image_tokens, max_units_per_side)
+    target_height, target_width = target_size(
+        height, width, patch_size, merge_size, max_image_tokens, max_units_per_side
+    )
     return target_height // patch_size, target_width // patch_size
 
 
@@ -230,7 +247,9 @@ def preprocess(
 ) -> SampleImage:
     """Resize (bicubic, as Pixtral's processor) to ``target_size``, normalize, patchify."""
     width, height = image.size
-    target_height, target_width = target_size(height, width, patch_size, merge_size, max_image_tokens, max_units_per_side)
+    target_height, target_width = target_size(
+        height, width, patch_size, merge_size, max_image_tokens, max_units_per_side
+    )
     if (target_height, target_width) != (height, width):
         image = image.resize((target_width, target_height), resample=Image.Resampling.BICUBIC)
     patches = patchify(normalize(image, mean, std), patch_size)
@@ -270,7 +289,9 @@ def vision_rows(num_inputs: int, starts: list[int], grids: list[tuple[int, int]]
         line_starts = torch.arange(merged_rows)[:, None] * (merged_cols + 1)
         positions = start + (line_starts + torch.arange(merged_cols)).flatten()
         if int(positions[-1]) >= num_inputs:
-            raise ValueError(f"image placeholders end at token {int(positions[-1])}, past the {num_inputs} input tokens")
+            raise ValueError(
+                f"image placeholders end at token {int(positions[-1])}, past the {num_inputs} input tokens"
+            )
         rows[positions] = torch.arange(offset, offset + positions.numel())
         offset += positions.numel()
     return rows

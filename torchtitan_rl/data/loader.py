@@ -329,8 +329,17 @@ def build_sft_dataloader(
     """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
     ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
     dataset = SFTDataLoader(
-        rows, tokenizer, seq_len, global_batch_size, long_sample_policy, seed, batch_rank, batch_degree,
-        vision=vision, balance_dp_compute=balance_dp_compute, prefetch=prefetch,
+        rows,
+        tokenizer,
+        seq_len,
+        global_batch_size,
+        long_sample_policy,
+        seed,
+        batch_rank,
+        batch_degree,
+        vision=vision,
+        balance_dp_compute=balance_dp_compute,
+        prefetch=prefetch,
     )
     with warnings.catch_warnings():
         # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does

@@ -112,7 +112,15 @@ class MicroBatch:
 
 # Every per-token tensor of a micro-batch that comes from the samples: one list, so packing,
 # the CP split and device moves treat labels and RL inputs alike.
-TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "seq_num_loss_tokens", *RL_TOKEN_INPUTS, "group_ids", "vision_index")
+TOKEN_FIELDS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "seq_num_loss_tokens",
+    *RL_TOKEN_INPUTS,
+    "group_ids",
+    "vision_index",
+)
 _ALWAYS = TOKEN_FIELDS[:4]
 # The value padding tokens carry, where it is not 0.
 TOKEN_PAD_VALUES = {"vision_index": -1}
@@ -131,8 +139,10 @@ def plan_microbatches(
     function of the data (every rank can reason about it).
     """
     num_patches = num_patches or [0] * len(seq_lens)
-    budgets = [(max_tokens, "tokens", "training.max_tokens_per_microbatch"),
-               (max_patches, "vision patches", "training.max_patches_per_microbatch")]
+    budgets = [
+        (max_tokens, "tokens", "training.max_tokens_per_microbatch"),
+        (max_patches, "vision patches", "training.max_patches_per_microbatch"),
+    ]
     for i, sizes in enumerate(zip(seq_lens, num_patches)):
         for size, (budget, what, key) in zip(sizes, budgets):
             if budget and size > budget:
@@ -186,7 +196,9 @@ def pack(
     return _with_images(mb, images, vision) if vision is not None else mb
 
 
-def _vision_rows_and_images(samples: list[Sample], vision: VisionPacking) -> tuple[list[torch.Tensor], list[SampleImage]]:
+def _vision_rows_and_images(
+    samples: list[Sample], vision: VisionPacking
+) -> tuple[list[torch.Tensor], list[SampleImage]]:
     rows, images, offset = [], [], 0
     for sample in samples:
         sample_rows = sample.vision_rows if sample.vision_rows is not None else torch.full((len(sample),), -1)
@@ -234,8 +246,10 @@ def padding_microbatch(
     dtypes = {"loss_mask": torch.bool, **{name: torch.float32 for name in RL_TOKEN_INPUTS}}
     fields = _sample_fields(inputs) + (["vision_index"] if vision is not None else [])
     mb = MicroBatch(
-        **{name: torch.full((num_tokens,), TOKEN_PAD_VALUES.get(name, 0), dtype=dtypes.get(name, torch.long))
-           for name in fields},
+        **{
+            name: torch.full((num_tokens,), TOKEN_PAD_VALUES.get(name, 0), dtype=dtypes.get(name, torch.long))
+            for name in fields
+        },
         positions=torch.arange(num_tokens),
         seq_ids=torch.zeros(num_tokens, dtype=torch.long),
         seq_lens=[],

@@ -183,7 +183,9 @@ def write_json_rows(files: list[Path], sink: str | pa.NativeFile) -> int:
     with pa.ipc.new_file(sink, _SCHEMA) as writer:
 
         def flush() -> None:
-            writer.write_batch(pa.record_batch([pa.array(c, t) for c, t in zip(columns, _SCHEMA.types)], schema=_SCHEMA))
+            writer.write_batch(
+                pa.record_batch([pa.array(c, t) for c, t in zip(columns, _SCHEMA.types)], schema=_SCHEMA)
+            )
             for column in columns:
                 column.clear()
 

@@ -134,17 +134,23 @@ def find_vision_problem(samples: list[Sample], patch_dim: int | None, merge_size
         num_features = 0
         for k, image in enumerate(sample.images):
             if image.rows % merge_size or image.cols % merge_size:
-                return (f"{where}: image {k} has a {image.rows}x{image.cols} patch grid, not a multiple of the "
-                        f"merge size {merge_size}")
+                return (
+                    f"{where}: image {k} has a {image.rows}x{image.cols} patch grid, not a multiple of the "
+                    f"merge size {merge_size}"
+                )
             if tuple(image.patches.shape) != (image.num_patches, patch_dim):
-                return (f"{where}: image {k} has patches of shape {tuple(image.patches.shape)}, expected "
-                        f"({image.num_patches}, {patch_dim})")
+                return (
+                    f"{where}: image {k} has patches of shape {tuple(image.patches.shape)}, expected "
+                    f"({image.num_patches}, {patch_dim})"
+                )
             num_features += image.num_patches // (merge_size * merge_size)
         rows = sample.vision_rows
         if rows is None or rows.shape != sample.input_ids.shape:
             return f"{where}: vision_rows must be a tensor of shape {tuple(sample.input_ids.shape)} (one row per input token)"
         used = rows[rows >= 0].sort().values
         if not torch.equal(used, torch.arange(num_features)):
-            return (f"{where}: its images give {num_features} feature rows, each of which must replace exactly one "
-                    f"image token, but vision_rows has {used.numel()} image tokens")
+            return (
+                f"{where}: its images give {num_features} feature rows, each of which must replace exactly one "
+                f"image token, but vision_rows has {used.numel()} image tokens"
+            )
     return None

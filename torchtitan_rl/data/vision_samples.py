@@ -67,9 +67,13 @@ class VisionDataConfig:
                 raise ValueError(f"VisionDataConfig.{name} must be an int >= 1, got {value!r}")
         for name in ("image_mean", "image_std"):
             if len(getattr(self, name)) != 3:
-                raise ValueError(f"VisionDataConfig.{name} must have one value per RGB channel, got {getattr(self, name)}")
+                raise ValueError(
+                    f"VisionDataConfig.{name} must have one value per RGB channel, got {getattr(self, name)}"
+                )
         if self.max_patches_per_side is not None and self.max_patches_per_side < self.merge_size:
-            raise ValueError(f"VisionDataConfig.max_patches_per_side must be >= merge_size, got {self.max_patches_per_side}")
+            raise ValueError(
+                f"VisionDataConfig.max_patches_per_side must be >= merge_size, got {self.max_patches_per_side}"
+            )
         if any(s <= 0 for s in self.image_std):
             raise ValueError(f"VisionDataConfig.image_std must be > 0, got {self.image_std}")
 
@@ -116,7 +120,9 @@ class PlannedSample:
     def truncated(self, num_tokens: int) -> "PlannedSample":
         if num_tokens < self.images_end:
             raise ValueError(f"{self.where}: cutting at {num_tokens} tokens would split an image")
-        return PlannedSample(self.row_index, self.where, self.tokens[:num_tokens], self.target_mask[:num_tokens], self.images)
+        return PlannedSample(
+            self.row_index, self.where, self.tokens[:num_tokens], self.target_mask[:num_tokens], self.images
+        )
 
 
 class RowPlanner:
@@ -170,8 +176,14 @@ class RowPlanner:
             image_where = f"{where} {image.where}"
             height, width = image_size(image.source, image_where)
             try:
-                grid = image_grid(height, width, vision.patch_size, vision.merge_size, vision.max_image_tokens,
-                                  vision.max_units_per_side)
+                grid = image_grid(
+                    height,
+                    width,
+                    vision.patch_size,
+                    vision.merge_size,
+                    vision.max_image_tokens,
+                    vision.max_units_per_side,
+                )
             except ValueError as err:
                 raise ValueError(f"{image_where}: {err}") from err
             grids.append(grid)
@@ -194,7 +206,12 @@ def build_sample(planned: PlannedSample, vision: VisionDataConfig | None) -> Sam
         where = f"{planned.where} {image.where}"
         pil_image = load_image(image.source, where)
         processed = preprocess(
-            pil_image, vision.patch_size, vision.merge_size, vision.max_image_tokens, vision.image_mean, vision.image_std,
+            pil_image,
+            vision.patch_size,
+            vision.merge_size,
+            vision.max_image_tokens,
+            vision.image_mean,
+            vision.image_std,
             vision.max_units_per_side,
         )
         if (processed.rows, processed.cols) != image.grid:
@@ -206,8 +223,9 @@ def build_sample(planned: PlannedSample, vision: VisionDataConfig | None) -> Sam
         images.append(processed)
     sample.images = images
     sample.vision_rows = vision_rows(
-        len(sample.input_ids), [image.start for image in planned.images], [image.grid for image in planned.images],
+        len(sample.input_ids),
+        [image.start for image in planned.images],
+        [image.grid for image in planned.images],
         vision.merge_size,
     )
     return sample
-

@@ -69,7 +69,8 @@ def shutdown_distributed(clean: bool) -> None:
     if survivors:
         logger.warning(
             "%d gloo threads outlive destroy_process_group() (something still references a process group); "
-            "one finishing a collective during interpreter shutdown aborts the process", survivors
+            "one finishing a collective during interpreter shutdown aborts the process",
+            survivors,
         )
 
 

@@ -75,8 +75,13 @@ class _ChunkSoftmax:
             expected = _all_reduce((probs[:, None, :] @ shifted[:, :, None]).flatten(), dist.ReduceOp.SUM, group)
             entropy = log_normalizer - expected
         return _ChunkSoftmax(
-            target - log_normalizer, entropy, probs, shifted if with_entropy else None, log_normalizer,
-            local_labels, owned,
+            target - log_normalizer,
+            entropy,
+            probs,
+            shifted if with_entropy else None,
+            log_normalizer,
+            local_labels,
+            owned,
         )
 
     def logit_grad(self, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None) -> torch.Tensor:
@@ -95,7 +100,9 @@ class _VocabLayout:
     """Where this rank's logits live: its weight shard, the hidden states of every token the
     shard scores (gathered over ``tp``, differentiably), and the shard's first vocabulary id."""
 
-    def __init__(self, hidden: torch.Tensor, output_weight: torch.Tensor, tp_mesh: DeviceMesh | None, loss_parallel: bool):
+    def __init__(
+        self, hidden: torch.Tensor, output_weight: torch.Tensor, tp_mesh: DeviceMesh | None, loss_parallel: bool
+    ):
         self.tp_mesh = tp_mesh
         self.group = None if tp_mesh is None else tp_mesh.get_group()
         self.loss_parallel = loss_parallel

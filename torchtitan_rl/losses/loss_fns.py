@@ -181,21 +181,23 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
     options = dict(valid)
     for key, value in (config or {}).items():
         if key not in valid:
-            raise ValueError(
-                f"{key_prefix}{key}: not an option of loss_fn {name!r}; its options: {', '.join(valid)}"
-            )
+            raise ValueError(f"{key_prefix}{key}: not an option of loss_fn {name!r}; its options: {', '.join(valid)}")
         options[key] = value
     for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
         if key in options:
             options[key] = _number(key_prefix + key, options[key])
     if "clip_low" in options and not 0 <= options["clip_low"] < 1:
-        raise ValueError(f"{key_prefix}clip_low: must be in [0, 1) (the lower bound is 1 - clip_low > 0), got {options['clip_low']}")
+        raise ValueError(
+            f"{key_prefix}clip_low: must be in [0, 1) (the lower bound is 1 - clip_low > 0), got {options['clip_low']}"
+        )
     if "clip_high" in options and options["clip_high"] < 0:
         raise ValueError(f"{key_prefix}clip_high: must be >= 0, got {options['clip_high']}")
     if options.get("dual_clip_c") is not None:
         options["dual_clip_c"] = _number(key_prefix + "dual_clip_c", options["dual_clip_c"])
         if options["dual_clip_c"] <= 1:
-            raise ValueError(f"{key_prefix}dual_clip_c: must be > 1 (or unset to disable), got {options['dual_clip_c']}")
+            raise ValueError(
+                f"{key_prefix}dual_clip_c: must be > 1 (or unset to disable), got {options['dual_clip_c']}"
+            )
     if options["kl_coef"] < 0:
         raise ValueError(f"{key_prefix}kl_coef: must be >= 0, got {options['kl_coef']}")
     if options["kl_estimator"] not in KL_ESTIMATORS:
@@ -304,9 +306,11 @@ class LossMetrics:
         each already a mini-batch loss, are averaged over the updates."""
         combined = cls()
         for part in parts:
-            for store, merged, combine in ((part.weighted, combined.weighted, torch.add),
-                                           (part.masked, combined.masked, torch.add),
-                                           (part.maxima, combined.maxima, torch.maximum)):
+            for store, merged, combine in (
+                (part.weighted, combined.weighted, torch.add),
+                (part.masked, combined.masked, torch.add),
+                (part.maxima, combined.maxima, torch.maximum),
+            ):
                 for name, value in store.items():
                     _accumulate(merged, name, value, combine)
             combined.negated |= part.negated
@@ -318,7 +322,9 @@ class LossMetrics:
         if not self.masked:
             return {}
         names = [*self.weighted, *self.masked]
-        sums = dict(zip(names, all_reduce(torch.stack([*self.weighted.values(), *self.masked.values()]), "sum", loss_mesh)))
+        sums = dict(
+            zip(names, all_reduce(torch.stack([*self.weighted.values(), *self.masked.values()]), "sum", loss_mesh))
+        )
         num_loss_tokens = sums.pop(_NUM_LOSS_TOKENS)
         out = {f"rl/{name}": value for name, value in sums.items()}
         for name in self.masked:

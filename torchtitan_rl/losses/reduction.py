@@ -12,9 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_rl.data.packing import MicroBatch
 from torchtitan_rl.distributed.utils import all_reduce
 
-REDUCTION_MODES = (
-    "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy", "prompt_mean"
-)
+REDUCTION_MODES = ("token_mean", "sequence_mean", "seq_mean_token_sum_norm", "sum", "token_mean_legacy", "prompt_mean")
 # Modes whose weights need each sample's prompt group (``Sample.group_id``).
 GROUPED_MODES = ("prompt_mean",)
 
@@ -22,8 +20,15 @@ GROUPED_MODES = ("prompt_mean",)
 # the loss tokens of group g follow at GROUP_LOSS_TOKENS + g. NUM_TOKENS counts real tokens
 # (padding never), NUM_SEQS and NUM_MICROBATCHES all sequences and non-filler micro-batches
 # (the router losses' sequence and micro-batch scopes average over them).
-(NUM_LOSS_TOKENS, NUM_SEQS_WITH_LOSS, NUM_MICROBATCHES_WITH_LOSS, NUM_TOKENS, SUM_SQUARED_SEQ_LENS, NUM_SEQS,
- NUM_MICROBATCHES) = range(7)
+(
+    NUM_LOSS_TOKENS,
+    NUM_SEQS_WITH_LOSS,
+    NUM_MICROBATCHES_WITH_LOSS,
+    NUM_TOKENS,
+    SUM_SQUARED_SEQ_LENS,
+    NUM_SEQS,
+    NUM_MICROBATCHES,
+) = range(7)
 GROUP_LOSS_TOKENS = 7
 
 

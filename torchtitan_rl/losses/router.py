@@ -45,7 +45,9 @@ class RouterLossConfig:
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ValueError(f"moe.aux_loss_scope: {self.aux_loss_scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}")
         if self.aux_loss_layers not in AUX_LOSS_LAYERS:
-            raise ValueError(f"moe.aux_loss_layers: {self.aux_loss_layers!r} is not one of {', '.join(AUX_LOSS_LAYERS)}")
+            raise ValueError(
+                f"moe.aux_loss_layers: {self.aux_loss_layers!r} is not one of {', '.join(AUX_LOSS_LAYERS)}"
+            )
         for key in ("aux_loss_coef", "z_loss_coef"):
             value = getattr(self, key)
             if not value >= 0 or value == float("inf"):
@@ -56,8 +58,9 @@ class RouterLossConfig:
         return self.aux_loss_coef > 0 and self.aux_loss_scope == "global"
 
 
-def balance_loss(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: torch.Tensor, weights: torch.Tensor,
-                 layers: str) -> torch.Tensor:
+def balance_loss(
+    counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: torch.Tensor, weights: torch.Tensor, layers: str
+) -> torch.Tensor:
     """``Σ_g w_g · E · Σ_e f_ge · P_ge`` over groups g.
 
     ``counts`` ``[G, L, E]``: each group's complete top-k counts (no gradient); ``prob_sums``

@@ -54,9 +54,7 @@ ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
 def resolve_attn_backend(name: str, device: torch.device | str) -> str:
     """Turn a configured backend name into the concrete backend to use on ``device``."""
     if name not in ATTN_BACKEND_CHOICES:
-        raise ValueError(
-            f"unknown attention backend {name!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}"
-        )
+        raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}")
     device_type = torch.device(device).type
     if name == "auto":
         return "flex" if device_type == "cuda" else "sdpa_varlen"
@@ -171,12 +169,8 @@ def build_attention_context(
             backend, varlen=plan_varlen(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal), causal=causal
         )
     if backend == "sdpa_loop":
-        documents, inverse_order = _document_slices(
-            q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal
-        )
-        return AttentionContext(
-            backend, documents=documents, inverse_query_order=inverse_order, causal=causal
-        )
+        documents, inverse_order = _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal)
+        return AttentionContext(backend, documents=documents, inverse_query_order=inverse_order, causal=causal)
     return AttentionContext(
         backend,
         block_mask=_flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal),
@@ -202,9 +196,7 @@ def cp_attention_context(
 
 
 @torch.compiler.disable  # per-forward mask data: compiled blocks break here, see distributed/compile.py
-def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
-) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext) -> torch.Tensor:
     """Attend ``q [T, n_heads, head_dim]`` to ``k, v [S, n_kv_heads, head_dim]``.
 
     With ``context.gather_kv`` (context parallel), ``k, v`` are this rank's ``[T, ...]`` and

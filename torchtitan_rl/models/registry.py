@@ -38,13 +38,28 @@ class ModelSpec:
 
 MODEL_SPECS: dict[str, ModelSpec] = {
     "qwen3": ModelSpec(
-        "qwen3", Qwen3ModelArgs, qwen3_flavors, Qwen3Model, parallelize_qwen3,
-        qwen3_adapter.to_hf, qwen3_adapter.from_hf, ("qwen3", "qwen3_moe"),
-        stacked_hf_keys=lambda key, size: qwen3_adapter.expert_hf_keys(key, size) if qwen3_adapter.is_expert_key(key) else None,
+        "qwen3",
+        Qwen3ModelArgs,
+        qwen3_flavors,
+        Qwen3Model,
+        parallelize_qwen3,
+        qwen3_adapter.to_hf,
+        qwen3_adapter.from_hf,
+        ("qwen3", "qwen3_moe"),
+        stacked_hf_keys=lambda key, size: (
+            qwen3_adapter.expert_hf_keys(key, size) if qwen3_adapter.is_expert_key(key) else None
+        ),
     ),
     "vlm": ModelSpec(
-        "vlm", VLMModelArgs, vlm_flavors, VLMModel, parallelize_vlm,
-        vlm_adapter.to_hf, vlm_adapter.from_hf, ("mistral3",), takes_images=True,
+        "vlm",
+        VLMModelArgs,
+        vlm_flavors,
+        VLMModel,
+        parallelize_vlm,
+        vlm_adapter.to_hf,
+        vlm_adapter.from_hf,
+        ("mistral3",),
+        takes_images=True,
     ),
 }
 

@@ -163,18 +163,25 @@ def plan_varlen(
         groups, q_bounds, kv_bounds, q_starts, kv_starts
     ):
         plain = (
-            all(queries.in_order[q] and keys.in_order[k] and queries.lengths[q] == keys.lengths[k]
-                for q, k in zip(q_docs, kv_docs))
-            if causal else all(keys.lengths[k] == kv_len for k in kv_docs)
+            all(
+                queries.in_order[q] and keys.in_order[k] and queries.lengths[q] == keys.lengths[k]
+                for q, k in zip(q_docs, kv_docs)
+            )
+            if causal
+            else all(keys.lengths[k] == kv_len for k in kv_docs)
         )
-        mask = None if plain else _mask(
-            *(x[qa:qb].view(len(q_docs), q_len) for x in (q_slots.valid, q_slots.positions)),
-            *(x[ka:kb].view(len(kv_docs), kv_len) for x in (kv_slots.valid, kv_slots.positions)),
-            causal,
+        mask = (
+            None
+            if plain
+            else _mask(
+                *(x[qa:qb].view(len(q_docs), q_len) for x in (q_slots.valid, q_slots.positions)),
+                *(x[ka:kb].view(len(kv_docs), kv_len) for x in (kv_slots.valid, kv_slots.positions)),
+                causal,
+            )
         )
-        buckets.append(PaddedBucket(
-            len(q_docs), q_len, kv_len, q_slots.rows[qa:qb], kv_slots.rows[ka:kb], q_start, kv_start, mask
-        ))
+        buckets.append(
+            PaddedBucket(len(q_docs), q_len, kv_len, q_slots.rows[qa:qb], kv_slots.rows[ka:kb], q_start, kv_start, mask)
+        )
 
     query_slots = torch.empty(len(queries.order), dtype=torch.long, device=q_slots.rows.device)
     query_slots[q_slots.rows[q_slots.valid]] = torch.nonzero(q_slots.valid).squeeze(1)

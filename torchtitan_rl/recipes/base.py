@@ -22,8 +22,8 @@ from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token
 from torchtitan_rl.data.vision_samples import VisionDataConfig
 from torchtitan_rl.distributed.activation_checkpoint import apply_activation_checkpointing
 from torchtitan_rl.distributed.compile import apply_compile
-from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
@@ -31,9 +31,9 @@ from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
 from torchtitan_rl.models.qwen3.args import check_flavor, with_router_aux_loss
-from torchtitan_rl.models.vlm.args import with_image_token_id
 from torchtitan_rl.models.qwen3.model import param_seed
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
+from torchtitan_rl.models.vlm.args import with_image_token_id
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.profiling import MemoryProfiler
 
@@ -188,8 +188,27 @@ def build_engine(
     optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation)
     lr_scheduler = build_lr_scheduler(optimizer, num_optimizer_steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
     horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
-    options = EngineOptions(reduction=job_config.loss.reduction, horizon=horizon, max_tokens_per_microbatch=t.max_tokens_per_microbatch, logits_chunk_size=job_config.loss.logits_chunk_size, max_norm=t.max_norm, loss_parallel=not job_config.parallelism.disable_loss_parallel, temperature=temperature, vision=vision_packing(model_args), max_patches_per_microbatch=t.max_patches_per_microbatch, router=router_loss_config(job_config) if model_args.is_moe else None)
-    return Engine(model, optimizer=optimizer, lr_scheduler=lr_scheduler, parallel_dims=parallel_dims, device=device, options=options, autocast_dtype=autocast_dtype), model_args
+    options = EngineOptions(
+        reduction=job_config.loss.reduction,
+        horizon=horizon,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        logits_chunk_size=job_config.loss.logits_chunk_size,
+        max_norm=t.max_norm,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        temperature=temperature,
+        vision=vision_packing(model_args),
+        max_patches_per_microbatch=t.max_patches_per_microbatch,
+        router=router_loss_config(job_config) if model_args.is_moe else None,
+    )
+    return Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        parallel_dims=parallel_dims,
+        device=device,
+        options=options,
+        autocast_dtype=autocast_dtype,
+    ), model_args
 
 
 def vision_packing(model_args) -> VisionPacking | None:
@@ -260,7 +279,12 @@ class Recipe:
     def __init__(self, run: RunContext, *, num_optimizer_steps: int, temperature: float = 1.0):
         job_config = run.job_config
         self.job_config = job_config
-        self.rank, self.device, self.parallel_dims, self.tokenizer = run.rank, run.device, run.parallel_dims, run.tokenizer
+        self.rank, self.device, self.parallel_dims, self.tokenizer = (
+            run.rank,
+            run.device,
+            run.parallel_dims,
+            run.tokenizer,
+        )
         self.parallel_dims.build_meshes(self.device.type)
         self.engine, self.model_args = build_engine(
             job_config,

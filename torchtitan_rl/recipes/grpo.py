@@ -26,6 +26,15 @@ from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config
 from torchtitan_rl.losses.reduction import NUM_TOKENS
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.recipes.base import (
+    REDUCE_DTYPES,
+    Recipe,
+    RunContext,
+    build_model,
+    check_divisible_by_data_parallel,
+    compute_dtype,
+    start_run,
+)
 from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import (
@@ -42,15 +51,6 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.tasks import answered_rows, build_task
-from torchtitan_rl.recipes.base import (
-    REDUCE_DTYPES,
-    Recipe,
-    RunContext,
-    build_model,
-    check_divisible_by_data_parallel,
-    compute_dtype,
-    start_run,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,15 @@ class GRPORecipe(Recipe):
             reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
         )
         model.requires_grad_(False)
-        return Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=self.device, options=self.engine.options, autocast_dtype=self.engine.autocast_dtype)
+        return Engine(
+            model,
+            optimizer=None,
+            lr_scheduler=None,
+            parallel_dims=dims,
+            device=self.device,
+            options=self.engine.options,
+            autocast_dtype=self.engine.autocast_dtype,
+        )
 
     def _sft_warmup(self) -> None:
         """SFT on answered problems of the task that are neither RL nor held-out prompts, with a
@@ -164,7 +172,15 @@ class GRPORecipe(Recipe):
         )
         scheduler = build_lr_scheduler(optimizer, rl.sft_warmup_steps, 0, "linear", 0.1)
         options = dataclasses.replace(self.engine.options, reduction="token_mean", temperature=1.0)
-        engine = Engine(self.engine.model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=self.parallel_dims, device=self.device, options=options, autocast_dtype=self.engine.autocast_dtype)
+        engine = Engine(
+            self.engine.model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            parallel_dims=self.parallel_dims,
+            device=self.device,
+            options=options,
+            autocast_dtype=self.engine.autocast_dtype,
+        )
         loader = iter(
             build_sft_dataloader(
                 self._warmup_rows(),
@@ -231,12 +247,16 @@ class GRPORecipe(Recipe):
         with _timed(times, "weight_sync"):
             self.generator.update_weights(self.engine.model)
         problem_ids = self.stream.next_step()
-        slots_by_minibatch = rank_prompt_slots(rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree)
+        slots_by_minibatch = rank_prompt_slots(
+            rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree
+        )
         rollouts, num_generated = self._generate([s for mb in slots_by_minibatch for s in mb], problem_ids, step, times)
 
         with _timed(times, "reward"):
-            rewards = [self.task.reward(self.task.train_problems[problem_ids[r.prompt_index]], *self._completion(r))
-                       for r in rollouts]
+            rewards = [
+                self.task.reward(self.task.train_problems[problem_ids[r.prompt_index]], *self._completion(r))
+                for r in rollouts
+            ]
             groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
         kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
         values = rollout_metrics(*rollout_sums(groups, len(groups) - len(kept)), dims.mesh("batch"))
@@ -275,8 +295,14 @@ class GRPORecipe(Recipe):
         peer_mesh = self.parallel_dims.mesh("cp_tp")
         with _timed(times, "generate"):
             local = generate_share(
-                self.generator, [self.train_prompts[i] for i in problem_ids], slots, self.job_config.rl.group_size,
-                self.sampling, self.job_config.generation.seed, step, peer_mesh,
+                self.generator,
+                [self.train_prompts[i] for i in problem_ids],
+                slots,
+                self.job_config.rl.group_size,
+                self.sampling,
+                self.job_config.generation.seed,
+                step,
+                peer_mesh,
             )
         with _timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
@@ -348,8 +374,12 @@ class GRPORecipe(Recipe):
         return updates, terms, num_trained
 
     def _no_update_values(self) -> dict[str, float]:
-        return {"loss_metrics/global_avg_loss": 0.0, "loss_metrics/global_max_loss": 0.0, "grad_norm": 0.0,
-                "lr": self.engine.lr_scheduler.get_last_lr()[0]}
+        return {
+            "loss_metrics/global_avg_loss": 0.0,
+            "loss_metrics/global_max_loss": 0.0,
+            "grad_norm": 0.0,
+            "lr": self.engine.lr_scheduler.get_last_lr()[0],
+        }
 
     # ------------------------------------------------------------------ evaluation
 
@@ -362,19 +392,32 @@ class GRPORecipe(Recipe):
         seed = self.job_config.generation.seed
         start = time.perf_counter()
         # Step -step: evaluation draws its own random numbers, never a training rollout's.
-        greedy = self.generator.generate(prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step)
+        greedy = self.generator.generate(
+            prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step
+        )
         sampled = self.generator.generate(prompts, indices, k, self.sampling, seed, -step)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
         for i, index in enumerate(indices):
             problem = self.task.eval_problems[index]
             correct = [self.task.reward(problem, *self._completion(r)).correct for r in sampled[i * k : (i + 1) * k]]
-            sums += torch.tensor([1.0, float(self.task.reward(problem, *self._completion(greedy[i])).correct),
-                                  pass_at_k(k, sum(correct), k), sum(correct) / k], dtype=torch.float64)
+            sums += torch.tensor(
+                [
+                    1.0,
+                    float(self.task.reward(problem, *self._completion(greedy[i])).correct),
+                    pass_at_k(k, sum(correct), k),
+                    sum(correct) / k,
+                ],
+                dtype=torch.float64,
+            )
         if dist.is_initialized():
             dist.all_reduce(sums)
         n = float(sums[0].clamp(min=1))
-        return {"eval/pass@1": float(sums[1]) / n, f"eval/pass@{k}": float(sums[2]) / n,
-                "eval/sampled_pass@1": float(sums[3]) / n, "time/eval_s": time.perf_counter() - start}
+        return {
+            "eval/pass@1": float(sums[1]) / n,
+            f"eval/pass@{k}": float(sums[2]) / n,
+            "eval/sampled_pass@1": float(sums[3]) / n,
+            "time/eval_s": time.perf_counter() - start,
+        }
 
 
 def _stop_token_id(tokenizer, token: str) -> int:

@@ -49,9 +49,7 @@ def zero_variance_groups(rewards: torch.Tensor, group_ids: torch.Tensor) -> torc
     return _all_equal_per_sample(rewards.to(torch.float64), *_group_index(group_ids))
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str, eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, estimator: str, eps: float = 1e-6) -> torch.Tensor:
     """Float32 advantage per sample; samples of a group share a ``group_ids`` value (any order)."""
     if estimator not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; valid ones: {ADVANTAGE_ESTIMATORS}")

@@ -78,8 +78,13 @@ class RolloutEngine(Protocol):
     def update_weights(self, model: torch.nn.Module) -> None: ...
 
     def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], num_samples: int,
-        params: SamplingParams, seed: int, step: int,
+        self,
+        prompts: list[list[int]],
+        prompt_indices: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        seed: int,
+        step: int,
     ) -> list[Rollout]: ...
 
 
@@ -188,8 +193,12 @@ class _DecodeAttention:
             self.cache.v[layer_id].index_put_((self.rows, self.positions), v)
             keys, values = (c[layer_id, :, : self.span].transpose(1, 2) for c in (self.cache.k, self.cache.v))
             out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, values, attn_mask=self.visible,
-                scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
+                q[:, :, None, :],
+                keys,
+                values,
+                attn_mask=self.visible,
+                scale=q.shape[-1] ** -0.5,
+                enable_gqa=q.shape[1] != k.shape[1],
             )
             return out.squeeze(2)
 
@@ -238,8 +247,12 @@ class TorchGenerator:
     """
 
     def __init__(
-        self, model_args: Qwen3ModelArgs, device: torch.device, dtype: torch.dtype = torch.float32,
-        max_prompts_per_batch: int = 8, kv_cache: bool = True,
+        self,
+        model_args: Qwen3ModelArgs,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+        max_prompts_per_batch: int = 8,
+        kv_cache: bool = True,
     ):
         if max_prompts_per_batch < 1:
             raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
@@ -275,8 +288,13 @@ class TorchGenerator:
 
     @torch.inference_mode()
     def generate(
-        self, prompts: list[list[int]], prompt_indices: list[int], num_samples: int,
-        params: SamplingParams, seed: int, step: int,
+        self,
+        prompts: list[list[int]],
+        prompt_indices: list[int],
+        num_samples: int,
+        params: SamplingParams,
+        seed: int,
+        step: int,
     ) -> list[Rollout]:
         """One rollout per (prompt, sample), ordered by prompt (as given), then sample index.
 
@@ -336,8 +354,14 @@ class TorchGenerator:
                 break
         tokens, logprobs, lengths, stopped = (x.tolist() for x in (tokens, logprobs, lengths, stopped))
         return [
-            Rollout(p, s, list(batch.prompts[r // batch.num_samples]), tokens[r][: lengths[r]],
-                    logprobs[r][: lengths[r]], "stop" if stopped[r] else "length")
+            Rollout(
+                p,
+                s,
+                list(batch.prompts[r // batch.num_samples]),
+                tokens[r][: lengths[r]],
+                logprobs[r][: lengths[r]],
+                "stop" if stopped[r] else "length",
+            )
             for r, (p, s) in enumerate(pairs)
         ]
 
@@ -366,12 +390,18 @@ class TorchGenerator:
 
     def _cached_logits(self, batch: _Batch, params: SamplingParams):
         """Step 0: prefill (fills the cache); step t: decode token t-1 of every row."""
-        shape = (self.args.n_layers, batch.num_rows, batch.longest_prompt + params.max_new_tokens,
-                 self.args.n_kv_heads, self.args.head_dim)
+        shape = (
+            self.args.n_layers,
+            batch.num_rows,
+            batch.longest_prompt + params.max_new_tokens,
+            self.args.n_kv_heads,
+            self.args.head_dim,
+        )
         dtype = self.model.output.weight.dtype
         # Zeros, not empty: masked slots get zero weight, and 0 * NaN garbage would still be NaN.
-        cache = _KVCache(torch.zeros(shape, dtype=dtype, device=self.device),
-                         torch.zeros(shape, dtype=dtype, device=self.device))
+        cache = _KVCache(
+            torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
+        )
         prompt_lens = batch.row_prompt_lens()
 
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,14 @@ def split_among_peers(items: list, peer_rank: int, num_peers: int) -> list:
 
 
 def generate_share(
-    generator: RolloutEngine, step_prompts: list[list[int]], slots: list[int], num_samples: int,
-    params: SamplingParams, seed: int, step: int, peer_mesh: DeviceMesh | None,
+    generator: RolloutEngine,
+    step_prompts: list[list[int]],
+    slots: list[int],
+    num_samples: int,
+    params: SamplingParams,
+    seed: int,
+    step: int,
+    peer_mesh: DeviceMesh | None,
 ) -> list[Rollout]:
     """This peer's part of the rollouts of ``slots`` (indices into ``step_prompts``, the step's
     prompt tokens); ``exchange_among_peers`` then gives every peer all of them."""
@@ -119,8 +125,12 @@ def score_groups(
     group_ids = torch.tensor([r.prompt_index for r in rollouts])
     advantages = group_advantages(totals, group_ids, estimator, eps).tolist()
     return [
-        ScoredGroup(rollouts[i].prompt_index, rollouts[i : i + group_size], rewards[i : i + group_size],
-                    advantages[i : i + group_size])
+        ScoredGroup(
+            rollouts[i].prompt_index,
+            rollouts[i : i + group_size],
+            rewards[i : i + group_size],
+            advantages[i : i + group_size],
+        )
         for i in range(0, len(rollouts), group_size)
     ]
 
@@ -145,21 +155,37 @@ def to_samples(groups: list[ScoredGroup], max_len: int) -> list[Sample]:
                 )
             num_prompt, num_completion = len(rollout.prompt_tokens) - 1, len(rollout.completion_tokens)
             ids = torch.tensor(tokens, dtype=torch.long)
-            completion = torch.cat([torch.zeros(num_prompt, dtype=torch.bool), torch.ones(num_completion, dtype=torch.bool)])
-            samples.append(Sample(
-                input_ids=ids[:-1],
-                labels=ids[1:].clone(),
-                loss_mask=completion,
-                advantages=completion.float() * advantage,
-                sampler_logprobs=torch.cat([torch.zeros(num_prompt), torch.tensor(rollout.logprobs, dtype=torch.float32)]),
-                group_id=group.slot,
-            ))
+            completion = torch.cat(
+                [torch.zeros(num_prompt, dtype=torch.bool), torch.ones(num_completion, dtype=torch.bool)]
+            )
+            samples.append(
+                Sample(
+                    input_ids=ids[:-1],
+                    labels=ids[1:].clone(),
+                    loss_mask=completion,
+                    advantages=completion.float() * advantage,
+                    sampler_logprobs=torch.cat(
+                        [torch.zeros(num_prompt), torch.tensor(rollout.logprobs, dtype=torch.float32)]
+                    ),
+                    group_id=group.slot,
+                )
+            )
     return samples
 
 
 # Sums over the step's rollouts, reduced over the `batch` mesh (peers hold copies: never summed).
-_SUMS = ("num_rollouts", "reward", "reward_sq", "correct", "length", "truncated", "num_groups",
-         "groups_all_correct", "groups_all_wrong", "filtered_groups")
+_SUMS = (
+    "num_rollouts",
+    "reward",
+    "reward_sq",
+    "correct",
+    "length",
+    "truncated",
+    "num_groups",
+    "groups_all_correct",
+    "groups_all_wrong",
+    "filtered_groups",
+)
 
 
 def rollout_sums(groups: list[ScoredGroup], filtered: int) -> tuple[dict[str, float], float, dict[str, float]]:

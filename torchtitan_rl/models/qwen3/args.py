@@ -108,7 +108,12 @@ class Qwen3ModelArgs:
     # runtime choices, training settings and the origin. ``architecture_differences`` skips
     # them; subclasses extend the tuple.
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (
-        "attn_backend", "max_seq_len", "experts_impl", "router_aux_loss_coef", "output_router_logits", "source",
+        "attn_backend",
+        "max_seq_len",
+        "experts_impl",
+        "router_aux_loss_coef",
+        "output_router_logits",
+        "source",
     )
     HF_KEYS: ClassVar[Mapping[str, str]] = QWEN3_HF_KEYS
 
@@ -125,10 +130,7 @@ class Qwen3ModelArgs:
         if self.head_dim % 2 != 0:
             raise name.error(f"{name('head_dim')}={self.head_dim} must be even for rotary embeddings")
         if self.attn_backend not in ATTN_BACKEND_CHOICES:
-            raise ValueError(
-                f"unknown attn_backend {self.attn_backend!r}; valid: "
-                f"{', '.join(ATTN_BACKEND_CHOICES)}"
-            )
+            raise ValueError(f"unknown attn_backend {self.attn_backend!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}")
         self._check_moe_fields(name)
 
     def _check_moe_fields(self, name: FieldNames) -> None:
@@ -139,9 +141,7 @@ class Qwen3ModelArgs:
             raise name.error(f"{name('mlp_only_layers')} must be a sequence of layer indices, got {layers!r}")
         self.mlp_only_layers = tuple(sorted(set(layers)))
         if self.experts_impl not in EXPERTS_IMPL_CHOICES:
-            raise ValueError(
-                f"unknown experts_impl {self.experts_impl!r}; valid: {', '.join(EXPERTS_IMPL_CHOICES)}"
-            )
+            raise ValueError(f"unknown experts_impl {self.experts_impl!r}; valid: {', '.join(EXPERTS_IMPL_CHOICES)}")
         for key in ("num_experts", "num_experts_per_tok", "moe_hidden_dim", "decoder_sparse_step"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -153,12 +153,20 @@ class Qwen3ModelArgs:
         if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf"):
             raise name.error(f"{name('router_aux_loss_coef')} must be a finite number >= 0, got {coef!r}")
         if self.num_experts == 0:
-            defaults = {"num_experts_per_tok": 0, "moe_hidden_dim": 0, "norm_topk_prob": True,
-                        "decoder_sparse_step": 1, "mlp_only_layers": (),
-                        "router_aux_loss_coef": HF_ROUTER_AUX_LOSS_COEF,
-                        "output_router_logits": HF_OUTPUT_ROUTER_LOGITS}
-            changed = [f"{name(key)}={getattr(self, key)!r}" for key, default in defaults.items()
-                       if getattr(self, key) != default]
+            defaults = {
+                "num_experts_per_tok": 0,
+                "moe_hidden_dim": 0,
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": (),
+                "router_aux_loss_coef": HF_ROUTER_AUX_LOSS_COEF,
+                "output_router_logits": HF_OUTPUT_ROUTER_LOGITS,
+            }
+            changed = [
+                f"{name(key)}={getattr(self, key)!r}"
+                for key, default in defaults.items()
+                if getattr(self, key) != default
+            ]
             if changed:
                 raise name.error(
                     f"a dense model ({name('num_experts')}=0) must keep the MoE defaults, got {', '.join(changed)}"
@@ -197,9 +205,7 @@ class Qwen3ModelArgs:
     def is_moe_layer(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule: layer ``layer`` holds experts instead of the dense SwiGLU."""
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -315,8 +321,15 @@ def with_router_aux_loss(args: Qwen3ModelArgs, aux_loss_coef: float) -> Qwen3Mod
 # Qwen2-MoE / DeepSeek-style MoE features that Qwen3-MoE (and our MoE) does not have; a
 # config enabling one describes another model.
 _UNSUPPORTED_MOE_FIELDS = (
-    "shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
-    "router_bias", "moe_router_bias", "gate_bias", "n_group", "topk_group", "routed_scaling_factor",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+    "router_bias",
+    "moe_router_bias",
+    "gate_bias",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
 )
 
 
@@ -324,8 +337,7 @@ def _check_hf_config_supported(config: dict[str, Any], source: str) -> None:
     model_type = config.get("model_type")
     if model_type not in ("qwen3", "qwen3_moe"):
         raise ValueError(
-            f"{source}: model_type is {model_type!r}; only Qwen3 ('qwen3') and Qwen3-MoE "
-            "('qwen3_moe') are supported"
+            f"{source}: model_type is {model_type!r}; only Qwen3 ('qwen3') and Qwen3-MoE ('qwen3_moe') are supported"
         )
     for key, supported in (("hidden_act", "silu"), ("attention_bias", False), ("use_sliding_window", False)):
         if config.get(key, supported) != supported:
@@ -441,7 +453,12 @@ qwen3_flavors: dict[str, Qwen3ModelArgs] = {
     # Tiny MoE for CPU tests and smoke runs: the debugmodel's attention, a dense first layer
     # (mlp_only_layers) then three MoE layers of 8 experts, top-2.
     "debugmodel_moe": dataclasses.replace(
-        _DEBUGMODEL, n_layers=4, num_experts=8, num_experts_per_tok=2, moe_hidden_dim=64, norm_topk_prob=True,
+        _DEBUGMODEL,
+        n_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_hidden_dim=64,
+        norm_topk_prob=True,
         mlp_only_layers=(0,),
     ),
     "30B-A3B": _published_moe(dim=2048, n_layers=48, n_heads=32, hidden_dim=6144, moe_hidden_dim=768),

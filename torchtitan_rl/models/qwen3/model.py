@@ -152,8 +152,12 @@ class MoETransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.moe = MoE(
-            args.dim, args.moe_hidden_dim, args.num_experts, args.num_experts_per_tok,
-            args.norm_topk_prob, args.experts_impl,
+            args.dim,
+            args.moe_hidden_dim,
+            args.num_experts,
+            args.num_experts_per_tok,
+            args.norm_topk_prob,
+            args.experts_impl,
         )
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
@@ -209,7 +213,8 @@ class Qwen3Model(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict(
             {
-                str(i): MoETransformerBlock(args) if args.is_moe_layer(i)
+                str(i): MoETransformerBlock(args)
+                if args.is_moe_layer(i)
                 else TransformerBlock(Attention(args), args.dim, args.hidden_dim, args.norm_eps)
                 for i in range(args.n_layers)
             }

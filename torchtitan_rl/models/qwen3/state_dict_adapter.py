@@ -103,9 +103,7 @@ def to_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return hf_state_dict
 
 
-def from_hf(
-    hf_state_dict: dict[str, torch.Tensor], args: Qwen3ModelArgs
-) -> dict[str, torch.Tensor]:
+def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3ModelArgs) -> dict[str, torch.Tensor]:
     """Rename HF keys to ours, ready for ``Qwen3Model(args).load_state_dict``.
 
     With tied embeddings ``output.weight`` is the embedding tensor (HF checkpoints of tied

@@ -60,9 +60,7 @@ class VisionArgs:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise name.error(f"{prefix}{name(key)} must be a positive int, got {value!r}")
         if self.dim % self.n_heads != 0:
-            raise name.error(
-                f"{prefix}{name('dim')}={self.dim} must be a multiple of {name('n_heads')}={self.n_heads}"
-            )
+            raise name.error(f"{prefix}{name('dim')}={self.dim} must be a multiple of {name('n_heads')}={self.n_heads}")
         if self.head_dim % 4 != 0:
             # Axial RoPE gives rows and columns head_dim / 4 frequencies each.
             raise name.error(

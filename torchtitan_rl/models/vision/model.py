@@ -113,8 +113,10 @@ class VisionTransformer(nn.Module):
         self.patch_embedding = PatchEmbedding(args)
         self.ln_pre = RMSNorm(args.dim, args.norm_eps)
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(VisionAttention(args), args.dim, args.hidden_dim, args.norm_eps)
-             for i in range(args.n_layers)}
+            {
+                str(i): TransformerBlock(VisionAttention(args), args.dim, args.hidden_dim, args.norm_eps)
+                for i in range(args.n_layers)
+            }
         )
 
     def forward(self, patches: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -126,8 +128,7 @@ class VisionTransformer(nn.Module):
         grids = check_grids(grids, self.args.max_patches_per_side)
         if patches.dim() != 2 or patches.shape[1] != self.args.patch_dim:
             raise ValueError(
-                f"patches must be [P, num_channels * patch_size**2 = {self.args.patch_dim}], "
-                f"got {tuple(patches.shape)}"
+                f"patches must be [P, num_channels * patch_size**2 = {self.args.patch_dim}], got {tuple(patches.shape)}"
             )
         num_patches = sum(r * c for r, c in grids)
         if num_patches != patches.shape[0]:

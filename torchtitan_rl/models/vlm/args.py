@@ -13,6 +13,7 @@ from torchtitan_rl.models.vision.args import VisionArgs
 
 logger = logging.getLogger(__name__)
 
+
 def _debug_vision() -> VisionArgs:
     # Tiny, CPU-trainable in minutes. Patches of 14 px merged 2x2, so one image token covers
     # 28x28 pixels; images up to 16 x 14 = 224 px a side (at most 64 image tokens).
@@ -159,7 +160,11 @@ def with_image_token_id(args: VLMModelArgs, token_id: int, token: str) -> VLMMod
     if args.source and args.image_token_id != token_id:
         logger.warning(
             "%s: image_token_index=%d differs from the tokenizer's id %d of model.image_token %r; using %d",
-            args.source, args.image_token_id, token_id, token, token_id,
+            args.source,
+            args.image_token_id,
+            token_id,
+            token,
+            token_id,
         )
     return dataclasses.replace(args, image_token_id=token_id)
 
@@ -215,8 +220,13 @@ vlm_flavors: dict[str, VLMModelArgs] = {
     "0.6B": _on_qwen3(
         "0.6B",
         VisionArgs(
-            dim=1024, n_layers=24, n_heads=16, hidden_dim=4096, patch_size=14,
-            rope_theta=10_000.0, max_patches_per_side=110,
+            dim=1024,
+            n_layers=24,
+            n_heads=16,
+            hidden_dim=4096,
+            patch_size=14,
+            rope_theta=10_000.0,
+            max_patches_per_side=110,
         ),
     ),
 }

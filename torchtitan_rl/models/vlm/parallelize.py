@@ -17,6 +17,8 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 
 
-def parallelize_vlm(model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def parallelize_vlm(
+    model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+) -> None:
     vision_units = [*model.vision_tower.layers.values(), model.projector]
     parallelize_qwen3(model, parallel_dims, param_dtype, reduce_dtype, extra_fsdp_units=vision_units)

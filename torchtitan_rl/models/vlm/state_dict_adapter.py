@@ -70,7 +70,9 @@ def to_hf(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             match = _OUR_VISION_LAYER.fullmatch(key)
             if match is None or match.group(2) not in _VISION_LAYER_TO_HF:
                 raise ValueError(f"no HF name for VLM state dict key {key!r}")
-            hf_state_dict[f"vision_tower.transformer.layers.{match.group(1)}.{_VISION_LAYER_TO_HF[match.group(2)]}"] = tensor
+            hf_state_dict[f"vision_tower.transformer.layers.{match.group(1)}.{_VISION_LAYER_TO_HF[match.group(2)]}"] = (
+                tensor
+            )
         else:
             lm[key] = tensor
     for key, tensor in qwen3_adapter.to_hf(lm).items():

@@ -42,9 +42,7 @@ def build_task(
     if name not in TASKS:
         raise ValueError(f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     if num_train < 0 or num_eval < 0:
-        raise ValueError(
-            f"rl.num_train_prompts={num_train} and rl.num_eval_prompts={num_eval} must be >= 0"
-        )
+        raise ValueError(f"rl.num_train_prompts={num_train} and rl.num_eval_prompts={num_eval} must be >= 0")
     reward_spec = RewardSpec(partial_credit=partial_credit, format_reward=format_reward, answer_match=answer_match)
     train, eval_problems, spare = TASKS[name](
         path=path, num_train=num_train, num_eval=num_eval, seed=seed, answer_match=answer_match
@@ -52,4 +50,14 @@ def build_task(
     return VerifiableTask(name, tuple(train), tuple(eval_problems), reward_spec, tuple(spare))
 
 
-__all__ = ["ANSWER_MATCHES", "TASKS", "Problem", "answered_rows", "Reward", "RewardSpec", "Task", "VerifiableTask", "build_task"]
+__all__ = [
+    "ANSWER_MATCHES",
+    "TASKS",
+    "Problem",
+    "answered_rows",
+    "Reward",
+    "RewardSpec",
+    "Task",
+    "VerifiableTask",
+    "build_task",
+]
