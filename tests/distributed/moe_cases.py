@@ -4,7 +4,7 @@ On the layouts of ``MOE_LAYOUTS`` a tiny Qwen3-MoE (dense first layer, then MoE 
 ``forward_backward`` with the router losses on: the global and sequence scopes of the
 load-balancing loss (pooled and summed over layers) with the z-loss, at a budget that gives
 several micro-batches per rank (and a filler micro-batch on some ranks), and an aux-only
-objective (verl #6836: the router losses' gradient must not scale with the CP / TP degree).
+objective (the router losses' gradient must not scale with the CP / TP degree).
 Rank 0 records gradients and logged numbers for test_moe_layout.py.
 """
 

@@ -108,8 +108,8 @@ def test_router_losses_and_gradients_equal_the_one_process_reference(layout_resu
 
 
 def test_aux_only_gradient_norm_does_not_scale_with_cp_or_tp(layout_results):
-    """verl #6836: a token count pre-multiplied under CP left the router losses' gradient norm
-    10^4 times too large. The aux-only objective's norm is the same on 1 rank, cp 2 and tp 2."""
+    """A token count pre-multiplied under CP (a bug another framework shipped) left the router
+    losses' gradient norm 10^4 times too large. The aux-only objective's norm is the same on 1 rank, cp 2 and tp 2."""
     norms = {
         layout: moe_entries(layout_results)[mc.case_key(layout, mc.AUX_ONLY)]["logged"]["grad_norm"]
         for layout in ((1, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 1, 2, 2))

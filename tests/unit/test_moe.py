@@ -14,7 +14,8 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 
 from torchtitan_rl.models.moe import GroupedExperts, MoE, RouterStats, grouped_mm_supported
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, find_flavor, qwen3_flavors
-from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model, TokenShard
+from torchtitan_rl.models.qwen3.model import INIT_STD, Qwen3Model
+from torchtitan_rl.models.qwen3.parallelize import TokenShard
 from torchtitan_rl.models.qwen3.state_dict_adapter import (
     expert_hf_keys,
     from_hf,

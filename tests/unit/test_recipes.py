@@ -11,7 +11,7 @@ import torch
 from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.recipes import RECIPES, get_recipe
-from torchtitan_rl.recipes.base import describe_os_error, model_args_from_config
+from torchtitan_rl.recipes.base import REDUCE_DTYPES, describe_os_error, model_args_from_config
 from torchtitan_rl.recipes.grpo import GRPORecipe
 from torchtitan_rl.recipes.sft import SFTRecipe
 
@@ -151,3 +151,9 @@ def test_moe_export_writes_the_router_loss_in_force(coef, expected):
     args = model_args_from_config(cfg, torch.device("cpu"), build_tokenizer(""))
     exported = args.to_hf_config("float32")
     assert (exported["router_aux_loss_coef"], exported["output_router_logits"]) == expected
+
+
+def test_every_reduce_dtype_choice_maps_to_a_torch_dtype():
+    field = JobConfig.__dataclass_fields__["training"].type.__dataclass_fields__["mixed_precision_reduce"]
+    assert set(REDUCE_DTYPES) == set(typing.get_args(field.type))
+    assert REDUCE_DTYPES[parse().training.mixed_precision_reduce] == torch.float32

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.models.attention import (
     AttentionState,
     LayerAttention,
@@ -169,41 +167,15 @@ class MoETransformerBlock(nn.Module):
         return x + out, counts, prob_sums, z_sums
 
 
-@dataclass(frozen=True)
-class TokenShard:
-    """Which tokens of the micro-batch this rank's residual stream holds: chunk ``rank`` of
-    ``degree`` equal chunks over ``mesh`` (sequence-parallel TP, see ``parallelize.apply_tp``);
-    the whole micro-batch when ``degree`` is 1 (``mesh`` None)."""
-
-    rank: int = 0
-    degree: int = 1
-    mesh: DeviceMesh | None = None
+class WholeTokens:
+    """The token shard of a model on one device: its residual stream holds every token of the
+    micro-batch. Sequence-parallel TP declares a ``parallelize.TokenShard`` in its place."""
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a per-token tensor of the whole micro-batch (dim 0 = tokens)."""
-        if self.degree == 1:
-            return values
-        return values.chunk(self.degree)[self.rank]
+        return values
 
     def replicated(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` computed alike on every rank of the shard, of which each rank's tokens
-        use their own part (image features): identity forward; backward sums the gradient over
-        the ranks, so it is whole and equal on every rank (Megatron's "copy to tensor-parallel
-        region")."""
-        if self.degree == 1:
-            return values
-        return _SumGradOverRanks.apply(values, self.mesh)
-
-
-class _SumGradOverRanks(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        return values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_reduce(grad.contiguous(), "sum", ctx.mesh), None
+        return values
 
 
 class Qwen3Model(nn.Module):
@@ -225,9 +197,9 @@ class Qwen3Model(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # The tokens this rank's residual stream holds: all of them unless sequence-parallel
         # TP shards them (``set_token_shard``).
-        self.token_shard = TokenShard()
+        self.token_shard = WholeTokens()
 
-    def set_token_shard(self, token_shard: TokenShard) -> None:
+    def set_token_shard(self, token_shard) -> None:
         """Declare which tokens the residual stream holds (the TP parallelize step does), so
         that per-token inputs (MoE routing metadata, image features) line up with it."""
         self.token_shard = token_shard

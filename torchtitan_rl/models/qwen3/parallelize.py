@@ -1,5 +1,7 @@
 """Apply parallelism to a Qwen3 model from outside (torchtitan's model/parallelize split)."""
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,8 +16,45 @@ from torch.distributed.tensor.parallel import (
 
 from torchtitan_rl.distributed.fsdp import apply_fsdp
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
-from torchtitan_rl.models.qwen3.model import TokenShard
+
+
+@dataclass(frozen=True)
+class TokenShard:
+    """Which tokens of the micro-batch this rank's residual stream holds: chunk ``rank`` of
+    ``degree`` equal chunks over ``mesh`` (sequence-parallel TP, see ``parallelize.apply_tp``);
+    the whole micro-batch when ``degree`` is 1 (``mesh`` None)."""
+
+    rank: int = 0
+    degree: int = 1
+    mesh: DeviceMesh | None = None
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a per-token tensor of the whole micro-batch (dim 0 = tokens)."""
+        if self.degree == 1:
+            return values
+        return values.chunk(self.degree)[self.rank]
+
+    def replicated(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` computed alike on every rank of the shard, of which each rank's tokens
+        use their own part (image features): identity forward; backward sums the gradient over
+        the ranks, so it is whole and equal on every rank (Megatron's "copy to tensor-parallel
+        region")."""
+        if self.degree == 1:
+            return values
+        return _SumGradOverRanks.apply(values, self.mesh)
+
+
+class _SumGradOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce(grad.contiguous(), "sum", ctx.mesh), None
 
 
 def parallelize_qwen3(
