@@ -10,6 +10,7 @@ or prepare a fresh run), ``train()`` and ``close()``; ``train.py`` drives it.
 import dataclasses
 import logging
 import os
+from abc import ABC, abstractmethod
 
 import torch
 from torch import nn
@@ -268,7 +269,7 @@ def start_run(job_config: JobConfig) -> RunContext:
     return RunContext(job_config, rank, device, parallel_dims, tokenizer)
 
 
-class Recipe:
+class Recipe(ABC):
     """What every recipe builds once its data is read: the meshes, the engine (model, optimizer,
     LR schedule), the resolved config file, metrics, memory profiling and the train state.
 
@@ -334,8 +335,9 @@ class Recipe:
             return True
         return False
 
+    @abstractmethod
     def train(self) -> None:
-        raise NotImplementedError
+        """Run the steps from ``train_state.step + 1`` to ``training.steps``."""
 
     def close(self) -> None:
         """Finish the asynchronous work the recipe started: a background checkpoint write (and
