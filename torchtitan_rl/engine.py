@@ -18,6 +18,7 @@ from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbat
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
+from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
@@ -348,11 +349,11 @@ class Engine:
             per_seq = per_token[: sum(mb.seq_lens)].cpu().split(mb.seq_lens)
             logprobs.extend(values[:, 0] for values in per_seq)
             entropies.extend(values[:, -1] for values in per_seq)
-        if isinstance(self.model, FSDPModule):
-            # The root keeps its parameters gathered after forward for the backward that
-            # usually follows; with no backward, release them so an optimizer step cannot
-            # leave a stale gathered copy behind.
-            self.model.reshard()
+        # The root (and, under the "default" and "never" policies, blocks) keep their parameters
+        # gathered after forward for the backward that usually follows; with no backward,
+        # release every group so that an optimizer step cannot leave a stale gathered copy
+        # behind (and ``parameters()`` yields the sharded ones again).
+        reshard(self.model)
         return ForwardResult(logprobs, entropies if with_entropy else None)
 
     def optim_step(self) -> dict[str, torch.Tensor | float]:

@@ -19,10 +19,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.compat import local_shard_bounds
+from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
 
 CONFIG_FILE = "config.json"
@@ -63,7 +63,9 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
     """
     files, listing = _tensor_files(path)
-    _reshard(model)
+    # After a forward without backward, named_parameters would yield temporary gathered copies,
+    # which loading would write into and lose at the next reshard.
+    reshard(model)
     params = _hf_sources(model)
     # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
     to_hf = spec_for_args(model.args).to_hf
@@ -106,7 +108,7 @@ def save_hf_checkpoint(
         # replica group gathers on its own, so nothing else holds rank 0 back.
         dist.barrier()
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    _reshard(model)
+    reshard(model)
     tensors = _hf_sources(model)
     sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
@@ -150,18 +152,6 @@ def _hf_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
 def _numel(param: torch.Tensor, index: int | None) -> int:
     """Elements of the HF tensor: the parameter's, or one slice's (a DTensor's numel is global)."""
     return param.numel() if index is None else param.numel() // param.shape[0]
-
-
-def _reshard(model: nn.Module) -> None:
-    """Make every parameter the sharded one again.
-
-    FSDP2 leaves the root's parameters (embeddings, final norm, head) gathered after a forward
-    without backward; ``named_parameters`` then yields temporary full copies, which loading
-    would write into and lose at the next reshard.
-    """
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
 
 
 # ---------------------------------------------------------------- loading

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 from generator_cases import run_generator_checks
 from moe_cases import run_moe_checks
+from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.sample import Sample
@@ -361,6 +362,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
+        run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only
     return results
 
 

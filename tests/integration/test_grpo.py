@@ -1,8 +1,10 @@
 """The GRPO recipe end to end through ``train.py`` (gloo ranks on CPU).
 
 - Layout invariance of whole RL steps, KL and entropy on, two mini-batches per rollout batch
-  (so pi_old is recomputed): 1 rank, dp=2 and dp=2 x tp=2 give the same rewards, losses, KL,
-  entropy and grad norms (1e-4), compared with ``scripts/loss_compare.py``.
+  (so pi_old is recomputed): 1 rank, dp=2 and dp=2 x tp=2 (DP compute balancing on, the
+  default) and dp=2 with balancing off give the same rewards, losses, KL, entropy and grad
+  norms (1e-4), compared with ``scripts/loss_compare.py``; balancing logs a lower
+  ``data/dp_cost_imbalance`` than the ranks' own prompt shares.
 - The embedded recipe learns: on 2 ranks the mean reward of its last steps exceeds that of its
   first steps by a margin calibrated from longer runs (docs/benchmarks/grpo.md).
 - Resume: a run restarted from its mid-run checkpoint logs exactly the uninterrupted run's
@@ -54,7 +56,7 @@ def tool(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory) -> Path:
+def layout_runs(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("grpo_layouts")
     sft = subprocess.run(
         [
@@ -91,10 +93,13 @@ def layout_runs(tmp_path_factory) -> Path:
     ]
     one_vs_dp2 = tool(*common, "--baseline-ngpu", "1", "--test-ngpu", "2", "--output-folder", str(out / "dp2"))
     assert one_vs_dp2.returncode == 0, one_vs_dp2.stdout[-4000:] + one_vs_dp2.stderr[-4000:]
-    one_vs_tp = tool(
+    # The second comparison's baseline is dp=2 with balancing off (no extra launch).
+    off_vs_tp = tool(
         *common,
         "--baseline-ngpu",
-        "1",
+        "2",
+        "--baseline-options",
+        "--training.balance_dp_compute false",
         "--test-ngpu",
         "4",
         "--output-folder",
@@ -102,14 +107,22 @@ def layout_runs(tmp_path_factory) -> Path:
         "--test-options",
         "--parallelism.tensor_parallel_degree 2",
     )
-    assert one_vs_tp.returncode == 0, one_vs_tp.stdout[-4000:] + one_vs_tp.stderr[-4000:]
-    return out
+    assert off_vs_tp.returncode == 0, off_vs_tp.stdout[-4000:] + off_vs_tp.stderr[-4000:]
+    return {
+        name: read_scalars(str(out / folder / "tb"))
+        for name, folder in (
+            ("one", "dp2/baseline"),
+            ("dp2", "dp2/test"),
+            ("dp2_off", "dp2_tp2/baseline"),
+            ("dp2_tp2", "dp2_tp2/test"),
+        )
+    } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text()}
 
 
-def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2(layout_runs):
-    baseline = read_scalars(str(layout_runs / "dp2" / "baseline" / "tb"))
-    for layout in ("dp2", "dp2_tp2"):
-        test = read_scalars(str(layout_runs / layout / "test" / "tb"))
+def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs):
+    baseline = layout_runs["one"]
+    for layout in ("dp2", "dp2_off", "dp2_tp2"):
+        test = layout_runs[layout]
         for tag in LAYOUT_TAGS:
             assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), (layout, tag)
             for step, value in baseline[tag].items():
@@ -118,8 +131,22 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2(layout_runs):
     # reference, and several ranks really ran.
     assert max(baseline["rl/groups_mixed"].values()) > 0
     assert min(baseline["grad_norm"].values()) > 0 and max(baseline["rl/kl"].values()) > 0
-    log = (layout_runs / "dp2_tp2" / "test" / "train.log").read_text()
-    assert "on 4 rank(s)" in log
+    assert "on 4 rank(s)" in layout_runs["tp_log"]
+
+
+def test_balancing_lowers_the_logged_dp_cost_imbalance(layout_runs):
+    imbalance = "data/dp_cost_imbalance"
+    on, off, tp = layout_runs["dp2"], layout_runs["dp2_off"], layout_runs["dp2_tp2"]
+    steps = list(range(1, LAYOUT_STEPS + 1))
+    assert sorted(on[imbalance]) == sorted(off[imbalance]) == steps
+    for step in steps:
+        # The same rollouts (so the same own shares), split as configured.
+        assert on[f"{imbalance}_contiguous"][step] == off[f"{imbalance}_contiguous"][step] == off[imbalance][step]
+        assert on[imbalance][step] == on[f"{imbalance}_balanced"][step] <= off[imbalance][step]
+        # TP peers of a DP rank hold the same samples: the same two-way split.
+        assert tp[imbalance][step] == on[imbalance][step]
+        assert layout_runs["one"][imbalance][step] == 1.0
+    assert any(on[imbalance][s] < off[imbalance][s] for s in steps), (on[imbalance], off[imbalance])
 
 
 # ------------------------------------------------------------------ learning and resume

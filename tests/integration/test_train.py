@@ -157,6 +157,16 @@ def test_counts_and_schedule_identical(runs, tag):
     assert one == two
 
 
+def test_dp_compute_balancing_is_on_and_logged_every_step(runs):
+    """Balancing is the default: every logged step has its imbalance, no worse than the contiguous split's."""
+    two, one = runs[2].scalars, runs[1].scalars
+    assert sorted(two["data/dp_cost_imbalance"]) == list(range(1, STEPS + 1))
+    for step, value in two["data/dp_cost_imbalance"].items():
+        assert value == two["data/dp_cost_imbalance_balanced"][step] <= two["data/dp_cost_imbalance_contiguous"][step]
+        assert one["data/dp_cost_imbalance"][step] == 1.0
+    assert any(v < two["data/dp_cost_imbalance_contiguous"][s] for s, v in two["data/dp_cost_imbalance"].items())
+
+
 def test_micro_batches_are_accumulated(runs):
     """The budget really splits each rank's share: > 128 tokens per rank on 2 ranks."""
     totals = runs[2].scalars["tokens/total"]

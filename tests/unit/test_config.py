@@ -1,6 +1,7 @@
 import dataclasses
 import inspect
 import re
+import typing
 from dataclasses import dataclass, field
 
 import pytest
@@ -11,6 +12,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from torchtitan_rl.config import ConfigManager, JobConfig, config_to_dict, job_config, write_resolved_config
+from torchtitan_rl.distributed.fsdp import RESHARD_POLICIES
 
 
 def parse(*argv):
@@ -176,6 +178,21 @@ def test_literal_values_accepted():
     cfg = parse("--loss.reduction", "seq_mean_token_sum_norm", "--lr_scheduler.decay_type=cosine")
     assert cfg.loss.reduction == "seq_mean_token_sum_norm"
     assert cfg.lr_scheduler.decay_type == "cosine"
+
+
+def test_fsdp_reshard_after_forward_policies(tmp_path):
+    key = "parallelism.fsdp_reshard_after_forward"
+    assert parse().parallelism.fsdp_reshard_after_forward == "default"
+    for policy in ("always", "never", "default"):
+        assert parse(f"--{key}", policy).parallelism.fsdp_reshard_after_forward == policy
+    toml = write(tmp_path, '[parallelism]\nfsdp_reshard_after_forward = "never"\n')
+    assert parse("--job.config_file", toml).parallelism.fsdp_reshard_after_forward == "never"
+    # The config's values are the policies FSDP knows (distributed/fsdp.py asserts on others).
+    field_type = {f.name: f.type for f in dataclasses.fields(job_config.Parallelism)}["fsdp_reshard_after_forward"]
+    assert set(typing.get_args(field_type)) == set(RESHARD_POLICIES)
+    assert_error([f"--{key}", "sometimes"], key, "'sometimes'", "'default'", "'always'", "'never'")
+    bad = write(tmp_path, "[parallelism]\nfsdp_reshard_after_forward = false\n", name="bad.toml")
+    assert_error(["--job.config_file", bad], key)
 
 
 def test_optional_none_resets(tmp_path):

@@ -99,10 +99,6 @@ def test_vlm_flavors_and_settings():
             ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"],
         ),
         (["--model.name", "vlm", "--model.image_break_token", "[IMG]"], ["three different non-empty strings"]),
-        (
-            ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--training.balance_dp_compute", "true"],
-            ["training.balance_dp_compute", "not used by job.recipe = 'grpo'"],
-        ),
     ],
 )
 def test_vision_settings_fail_closed(argv, fragments):
@@ -293,3 +289,6 @@ def test_grpo_recipes_parse():
         "numeric",
     )
     assert cfg.rl.use_reference and cfg.rl.answer_match == "numeric"
+    # Both recipes balance DP compute by default; GRPO reads the switch, so turning it off is no error.
+    assert cfg.training.balance_dp_compute and parse().training.balance_dp_compute
+    assert not parse(*GRPO, "--training.balance_dp_compute", "false").training.balance_dp_compute

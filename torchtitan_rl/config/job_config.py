@@ -151,12 +151,16 @@ class Training:
     """vlm: largest number of image feature tokens (merged patches) per image; larger images
     are downscaled, keeping their aspect ratio, until they fit."""
 
-    balance_dp_compute: bool = False
-    """Assign the samples of each global mini-batch to the data-parallel ranks by estimated
-    compute (tokens, tokens squared, vision patches) instead of in contiguous slices, so the
-    slowest rank waits less. Computed identically on every rank, no communication; the
-    gradient does not change (except under token_mean_legacy, layout-dependent on purpose).
-    data/dp_cost_imbalance logs the slowest rank's cost over the mean. SFT only."""
+    balance_dp_compute: bool = True
+    """Assign the samples of each mini-batch to the data-parallel ranks by estimated compute
+    (tokens, tokens squared, vision patches) instead of in contiguous slices, so the slowest
+    rank waits less at the FSDP collectives. The gradient does not change (except under
+    token_mean_legacy, layout-dependent on purpose). SFT: computed identically on every rank
+    from the global mini-batch, no communication. GRPO: the rollouts of each mini-batch are
+    split over the ranks after scoring (two small host all-gathers per step: the sample
+    lengths, then the samples that move). data/dp_cost_imbalance logs the slowest rank's
+    cost over the mean of the split used (also data/dp_cost_imbalance_contiguous and
+    _balanced); false keeps each rank's contiguous share."""
 
     max_norm: float = bounded(1.0, ge=0)
     """Gradient-norm clipping threshold. 0 disables clipping (the norm is still logged)."""
@@ -222,6 +226,17 @@ class Parallelism:
     expert_parallel_degree: int = bounded(1, ge=1)
     """Expert parallel (MoE experts split over ranks). Not supported yet: experts are
     FSDP-sharded over dp_shard x cp x tp; only 1 is accepted."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Which FSDP-sharded blocks free their gathered parameters after forward (backward then
+    gathers them again). default: every block but the last one run in forward order, whose
+    backward follows at once: one all-gather fewer per micro-batch for one block's gathered
+    parameters kept. always: every block, the least memory. never: none, every block's
+    parameters stay gathered from its forward to its backward: about half the all-gathers, for
+    the memory of the unsharded model. MoE experts follow their block; a vision tower runs
+    before the decoder, so its blocks are never last. The embeddings, final norm and output
+    head (the root group) stay gathered after forward under every policy: the loss applies the
+    output head after the model's forward."""
 
 
 @dataclass

@@ -21,7 +21,6 @@ _SFT_DATA_KEYS = (
     "dataset",
     "dataset_path",
     "global_batch_size",
-    "balance_dp_compute",
     "dataset_cache_dir",
     "dataset_cache_timeout_seconds",
     "dataset_prefetch",

@@ -120,6 +120,7 @@ def build_model(
     ac_mode: str = "none",
     ac_every: int = 1,
     compile_backend=None,
+    reshard_after_forward: str = "default",
 ) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout.
 
@@ -128,6 +129,7 @@ def build_model(
     ``ac_mode`` / ``ac_every``: activation checkpointing of the transformer blocks
     (``distributed.activation_checkpoint``). ``compile_backend``: torch.compile the blocks
     with this backend, a name or a callable (``distributed.compile``); None leaves them eager.
+    ``reshard_after_forward``: FSDP's policy for the blocks (``parallelism.fsdp_reshard_after_forward``).
     """
     spec = spec_for_args(args)
     with torch.device("meta"):
@@ -139,7 +141,7 @@ def build_model(
         # Before activation checkpointing, which then recomputes the compiled forward.
         apply_compile(model.blocks(), compile_backend)
     apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
-    spec.parallelize(model, parallel_dims, param_dtype, reduce_dtype)
+    spec.parallelize(model, parallel_dims, param_dtype, reduce_dtype, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
     init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
     return model
@@ -182,6 +184,7 @@ def build_engine(
         ac_mode=ac.mode,
         ac_every=ac.selective_every,
         compile_backend=compile_config.backend if compile_config.enable else None,
+        reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
     )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None

@@ -4,8 +4,10 @@ train on group advantages with the engine's layout-exact RL loss.
 Per step: refresh the generator's replica from the policy; take the step's
 prompts from the global stream; every data-parallel rank generates ``group_size`` completions
 of its share (its CP / TP peers split that work and exchange the rollouts); reward and
-compute advantages; optionally recompute the policy's log-probs before the update (π_old) and
-the reference's (KL); then ``ppo_epochs`` passes of ``num_minibatches`` optimizer steps.
+compute advantages; with ``training.balance_dp_compute`` (the default) move samples between
+data-parallel ranks so each mini-batch's work is even; optionally recompute the policy's
+log-probs before the update (π_old) and the reference's (KL); then ``ppo_epochs`` passes of
+``num_minibatches`` optimizer steps.
 The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
 and devices; the generator knows decoding.
 """
@@ -40,6 +42,7 @@ from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
+    balance_over_data_parallel,
     exchange_among_peers,
     generate_share,
     is_zero_variance,
@@ -191,6 +194,7 @@ class GRPORecipe(Recipe):
                 seed=cfg.debug.seed,
                 batch_rank=self.parallel_dims.batch_rank(),
                 batch_degree=self.parallel_dims.batch_degree,
+                balance_dp_compute=t.balance_dp_compute,
             )
         )
         logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
@@ -261,6 +265,12 @@ class GRPORecipe(Recipe):
         kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
         values = rollout_metrics(*rollout_sums(groups, len(groups) - len(kept)), dims.mesh("batch"))
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
+        # Before the reference and pi_old forwards, so that they are balanced too.
+        with _timed(times, "balance"):
+            minibatches, balance_stats = balance_over_data_parallel(
+                minibatches, dims.mesh("batch"), cfg.training.balance_dp_compute
+            )
+        values.update({f"data/{key}": value for key, value in balance_stats.items()})
 
         all_samples = [s for mb in minibatches for s in mb]
         if self.reference is not None:

@@ -1,5 +1,6 @@
 """From a step's prompts to training samples: which rank generates what, the rollout exchange,
-advantages and the per-token RL inputs.
+advantages, the per-token RL inputs, and the compute balancing of the samples over the
+data-parallel ranks.
 
 Layout independence (docs/design.md, 'The RL step'): the step's prompts come from one global stream, every rank
 derives its share from (prompt index, mini-batch, data-parallel rank) alone, and each rollout's
@@ -9,13 +10,16 @@ same samples: they split the generation work and exchange the rollouts, so all o
 on identical rollouts.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_rl.data.balance import assign_to_ranks, rank_loads, sample_cost
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
@@ -171,6 +175,134 @@ def to_samples(groups: list[ScoredGroup], max_len: int) -> list[Sample]:
                 )
             )
     return samples
+
+
+# ------------------------------------------------------------------ DP compute balancing
+
+# A sample of a mini-batch: (the data-parallel rank whose prompt share produced it, its index
+# in that rank's list of the mini-batch).
+SampleKey = tuple[int, int]
+
+
+def plan_dp_balance(lengths: list[list[list[int]]], balance: bool) -> tuple[list[list[list[SampleKey]]], dict]:
+    """Which samples every data-parallel rank trains in every mini-batch, and how even the work is.
+
+    ``lengths[r][m]`` are the token counts of rank r's samples of mini-batch m, i.e. of the
+    rollouts of its own prompt share (``rank_prompt_slots``) in slot, then sample order. The
+    shares are contiguous in rank order, so rank 0's samples, then rank 1's, ... is the
+    mini-batch in global (slot, sample) order, whatever the timing of generation.
+
+    Returns ``plan[m][r]``, the keys rank r trains in mini-batch m in that global order, and the
+    step's ``dp_cost_imbalance`` of the split used, of the ranks' own shares (``_contiguous``)
+    and of the balanced split (``_balanced``): Σ over mini-batches of the slowest rank's
+    ``data.balance.sample_cost`` over Σ of the mean rank cost, since every update waits for its
+    slowest rank (1.0 is even; with one mini-batch, SFT's max / mean). With ``balance`` every
+    mini-batch is split by ``assign_to_ranks`` over its global order, unless the own shares are
+    at least as even (then nothing moves). A pure function of ``lengths``: every rank computes
+    the same plan. The gradient does not depend on it (docs/design.md, 'Loss weights'; group
+    ids are global prompt slots, so ``prompt_mean`` counts a group spread over ranks whole).
+    """
+    num_ranks = len(lengths)
+    plan: list[list[list[SampleKey]]] = []
+    slowest = {"": 0.0, "_contiguous": 0.0, "_balanced": 0.0}
+    total_mean = 0.0
+    for m in range(len(lengths[0])):
+        keys = [(r, i) for r in range(num_ranks) for i in range(len(lengths[r][m]))]
+        costs = [sample_cost(lengths[r][m][i]) for r, i in keys]
+        own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(num_ranks)]
+        balanced = assign_to_ranks(costs, num_ranks)
+        if max(rank_loads(costs, own)) <= max(rank_loads(costs, balanced)):
+            balanced = own
+        chosen = balanced if balance else own
+        for suffix, split in (("", chosen), ("_contiguous", own), ("_balanced", balanced)):
+            slowest[suffix] += max(rank_loads(costs, split))
+        total_mean += sum(costs) / num_ranks
+        plan.append([[keys[i] for i in indices] for indices in chosen])
+    stats = {
+        f"dp_cost_imbalance{suffix}": value / total_mean if total_mean > 0 else 1.0 for suffix, value in slowest.items()
+    }
+    return plan, stats
+
+
+def _moved_from(plan: list[list[list[SampleKey]]], source: int) -> list[tuple[int, int]]:
+    """(mini-batch, index) of rank ``source``'s samples that another rank trains, in an order
+    every rank derives from the plan alone."""
+    return [
+        (m, i)
+        for m, ranks in enumerate(plan)
+        for dest, keys in enumerate(ranks)
+        if dest != source
+        for s, i in keys
+        if s == source
+    ]
+
+
+def _to_wire(sample: Sample) -> dict:
+    """``sample``'s fields with its tensors as numpy arrays: pickling a numpy array copies one
+    buffer, a torch tensor goes through storage serialization (~16x slower for GRPO samples)."""
+    assert sample.images is None, "RL samples carry no images"
+    return {
+        field.name: value.numpy() if isinstance(value, torch.Tensor) else value
+        for field in dataclasses.fields(sample)
+        for value in (getattr(sample, field.name),)
+    }
+
+
+def _from_wire(fields: dict) -> Sample:
+    return Sample(**{name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()})
+
+
+def outgoing_samples(plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]]) -> list[dict]:
+    """This rank's samples that other ranks train (``plan_dp_balance``), in ``_moved_from``
+    order, in the form sent over the wire."""
+    return [_to_wire(minibatches[m][i]) for m, i in _moved_from(plan, rank)]
+
+
+def assemble_minibatches(
+    plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]], gathered: list[list[dict]]
+) -> list[list[Sample]]:
+    """This rank's samples of every mini-batch under ``plan``, in global order: the ones it keeps
+    from ``minibatches`` (its own) and the ones other ranks sent (``gathered[s]``: rank s's
+    ``outgoing_samples``)."""
+    received: dict[tuple[int, int, int], dict] = {}
+    for source, samples in enumerate(gathered):
+        if source != rank:
+            moved = _moved_from(plan, source)
+            assert len(moved) == len(samples), (source, len(moved), len(samples))
+            received.update({(m, source, i): fields for (m, i), fields in zip(moved, samples)})
+    return [
+        [minibatches[m][i] if source == rank else _from_wire(received[(m, source, i)]) for source, i in ranks[rank]]
+        for m, ranks in enumerate(plan)
+    ]
+
+
+def balance_over_data_parallel(
+    minibatches: list[list[Sample]], batch_mesh: DeviceMesh | None, balance: bool
+) -> tuple[list[list[Sample]], dict]:
+    """This rank's samples of every mini-batch after compute balancing (``plan_dp_balance``) over
+    the ``batch`` mesh, and the step's imbalance stats (computed with balancing off too).
+
+    Two host collectives per step, all mini-batches at once: an object all-gather of the sample
+    lengths (a few ints per sample; every rank then derives the same plan), then, only when
+    some sample moves, an object all-gather of the moving samples alone (samples that stay are
+    never sent). gloo has no object all-to-all: every rank receives every mover, (ranks - 1)
+    times the bytes of a point-to-point exchange, at a few KiB per sample (tokens and per-token
+    floats) still small next to the update's compute, for one collective instead of a pairwise
+    schedule. CP / TP peers hold identical samples, so each of their ``batch`` groups computes
+    the same plan and exchanges the same copies.
+    """
+    local = [[len(sample) for sample in mb] for mb in minibatches]
+    if batch_mesh is None:
+        return minibatches, plan_dp_balance([local], balance)[1]
+    lengths: list = [None] * batch_mesh.size()
+    dist.all_gather_object(lengths, local, group=batch_mesh.get_group())
+    plan, stats = plan_dp_balance(lengths, balance)
+    if not any(_moved_from(plan, source) for source in range(len(lengths))):
+        return minibatches, stats  # every rank knows that nothing moves: no second collective
+    rank = batch_mesh.get_local_rank()
+    gathered: list = [None] * batch_mesh.size()
+    dist.all_gather_object(gathered, outgoing_samples(plan, rank, minibatches), group=batch_mesh.get_group())
+    return assemble_minibatches(plan, rank, minibatches, gathered), stats
 
 
 # Sums over the step's rollouts, reduced over the `batch` mesh (peers hold copies: never summed).

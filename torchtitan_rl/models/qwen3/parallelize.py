@@ -63,6 +63,8 @@ def parallelize_qwen3(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
     extra_fsdp_units: list[nn.Module] = (),
+    *,
+    reshard_after_forward: str = "default",
 ) -> None:
     """Tensor parallel first (it changes parameters into TP DTensors), then FSDP2 on top,
     sharding over dp_shard × cp. Context parallel leaves the model as it is: the engine gives
@@ -70,20 +72,39 @@ def parallelize_qwen3(
     over ``cp`` (``models.attention.cp_attention_context``).
 
     ``extra_fsdp_units`` are modules outside the decoder (a vision tower's blocks) that get
-    their own FSDP groups before the decoder blocks, in forward order."""
+    their own FSDP groups before the decoder blocks, in forward order.
+    ``reshard_after_forward``: the policy of ``parallelism.fsdp_reshard_after_forward``
+    (``distributed.fsdp.reshards_after_forward``); MoE experts follow their block."""
     tp_mesh = parallel_dims.mesh("tp")
     if tp_mesh is not None:
         check_tp_divisibility(model.args, tp_mesh.size())
         apply_tp(model, tp_mesh)
     expert_mesh = parallel_dims.expert_mesh()
-    experts = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+    blocks = list(model.layers.values())
+    experts = [block.moe.experts for block in blocks if hasattr(block, "moe")]
     if expert_mesh is not None and experts:
         # Experts get their own FSDP groups over every rank of a replica (TP ranks included:
         # experts are not tensor-parallel), before their blocks take the remaining parameters.
-        apply_fsdp(None, experts, expert_mesh, param_dtype, reduce_dtype)
+        # The last group of experts runs last only if it belongs to the last block.
+        apply_fsdp(
+            None,
+            experts,
+            expert_mesh,
+            param_dtype,
+            reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+            last_runs_last=hasattr(blocks[-1], "moe"),
+        )
     mesh = parallel_dims.fsdp_mesh()
     if mesh is not None:
-        apply_fsdp(model, [*extra_fsdp_units, *model.layers.values()], mesh, param_dtype, reduce_dtype)
+        apply_fsdp(
+            model,
+            [*extra_fsdp_units, *blocks],
+            mesh,
+            param_dtype,
+            reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+        )
 
 
 def check_tp_divisibility(args: Qwen3ModelArgs, tp: int) -> None:

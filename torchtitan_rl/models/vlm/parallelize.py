@@ -18,7 +18,21 @@ from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 
 
 def parallelize_vlm(
-    model: nn.Module, parallel_dims: ParallelDims, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    *,
+    reshard_after_forward: str = "default",
 ) -> None:
+    # The vision units run before the decoder, so under the "default" reshard policy they are
+    # never the last block of the forward.
     vision_units = [*model.vision_tower.layers.values(), model.projector]
-    parallelize_qwen3(model, parallel_dims, param_dtype, reduce_dtype, extra_fsdp_units=vision_units)
+    parallelize_qwen3(
+        model,
+        parallel_dims,
+        param_dtype,
+        reduce_dtype,
+        extra_fsdp_units=vision_units,
+        reshard_after_forward=reshard_after_forward,
+    )
