@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import tokenizers
-from tokenizers import models, pre_tokenizers, trainers
 
 from reference import launch_env
 from torchtitan_rl.tensorboard_io import read_scalars
+from unit.test_tokenizer import QWEN_SPECIAL_TOKENS, make_hf_tokenizer_dir
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 120
@@ -81,35 +81,12 @@ def test_vlm_shapes_recipe_learns_colours_on_two_ranks(tmp_path):
     assert result["colour_accuracy"] >= MIN_ACCURACY, result
 
 
-# The added tokens of a stock Qwen3 tokenizer.json up to its vision specials: no [IMG] tokens.
-QWEN_SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-]
-
-
 def test_a_qwen_tokenizer_without_pixtral_tokens_trains_the_vlm_unedited(tmp_path):
-    # A byte-level BPE like Qwen's, small enough for the debug model's 512 embeddings.
-    tokenizer = tokenizers.Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=QWEN_SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tokenizer.train_from_iterator(["What colour is the circle?", "The square is red.", "3 + 4 = 7"], trainer=trainer)
+    # A byte-level BPE with Qwen's added tokens (no [IMG] ones), small enough for the debug
+    # model's 512 embeddings.
+    make_hf_tokenizer_dir(tmp_path, QWEN_SPECIAL_TOKENS)
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     assert tokenizer.token_to_id("[IMG]") is None and tokenizer.get_vocab_size() <= 512
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
     steps = 2
     run = subprocess.run(
         [
