@@ -6,7 +6,7 @@ until ``optim_step`` (Tinker semantics).
 """
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,7 +14,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from torchtitan_rl.data.cp_split import shard_microbatch
-from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, plan_microbatches
+from torchtitan_rl.data.packing import (
+    MicroBatch,
+    VisionPacking,
+    build_microbatches,
+    padding_microbatch,
+    plan_microbatches,
+)
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
@@ -29,10 +35,11 @@ from torchtitan_rl.losses.reduction import (
     NUM_SEQS,
     NUM_TOKENS,
     global_counts,
+    local_counts,
     token_weights,
 )
 from torchtitan_rl.losses.router import RouterLossConfig, balance_loss, z_loss
-from torchtitan_rl.models.attention import cp_attention_context
+from torchtitan_rl.models.attention import AttentionContext, build_attention_context, cp_attention_context
 from torchtitan_rl.models.vlm.model import VisionInputs
 
 
@@ -58,6 +65,27 @@ class ForwardBackwardMetrics:
     counts: torch.Tensor  # global counts, see losses.reduction
     terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
     router: RouterMetrics | None = None  # MoE models only
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    """A rank's samples made ready for one ``forward_backward`` (``Engine.prepare``): host
+    tensors, built without any collective. ``forward_backward`` then agrees with the other
+    ranks on the number of micro-batches and appends zero-weight filler."""
+
+    inputs: tuple[str, ...]  # the optional sample inputs packed (those of the loss it was prepared for)
+    num_samples: int
+    problem: str | None  # why the samples cannot be trained on (then nothing else is set)
+    whole: list[MicroBatch]  # whole micro-batches (counts come from them)
+    shares: list[MicroBatch]  # this rank's share of each (the whole ones without context parallel)
+    attention: list[AttentionContext | None]  # per share, planned ahead; None: built in the forward
+    num_groups: int  # prompt groups (0 unless ``inputs`` has ``group_id``)
+    local_counts: torch.Tensor  # losses.reduction.local_counts of ``whole``
+    # Every sequence of the real shares has a slot (their padding pseudo-sequences too): each
+    # real token's slot and float32 loss mask, in order, for the step's per-sequence losses.
+    num_seq_slots: int
+    seq_slots: torch.Tensor
+    loss_token_mask: torch.Tensor
 
 
 @dataclass
@@ -114,18 +142,20 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _microbatches(
-        self, samples: list[Sample], inputs: tuple[str, ...] = ()
-    ) -> tuple[list[MicroBatch], list[MicroBatch], int]:
-        """The rank's plan as whole micro-batches (for counts) and as this rank's shares, and
-        the number of prompt groups (0 unless ``inputs`` has ``group_id``).
+    def prepare(
+        self, samples: list[Sample], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
+    ) -> PreparedBatch:
+        """This rank's samples made ready for ``forward_backward`` (or ``forward``) with this loss:
+        checked, planned, packed into micro-batches, counted, and (when the model runs on the
+        CPU without context parallel) their attention planned.
 
-        Every rank runs the same number of passes. Without context parallel the shares are
-        the whole micro-batches; with it, each CP rank keeps its zigzag share of every one.
-        Samples are checked here, and the verdict agreed on by every rank in the same small
-        collective as the plan: a bad sample on one rank stops all of them with a ValueError
-        instead of leaving the others waiting in a collective.
+        Host work only, no collective and no device: a loader runs it on its prefetch thread
+        while the previous step trains. A bad sample is not raised here but recorded, so that
+        every rank learns of it in the step's agreement collective (see ``forward_backward``).
         """
+        return self._prepare(samples, _loss_inputs(resolve_loss_fn(loss_fn, loss_fn_config), self.options.reduction))
+
+    def _prepare(self, samples: list[Sample], inputs: tuple[str, ...]) -> PreparedBatch:
         dims, options = self.parallel_dims, self.options
         vision = options.vision
         problem, plan = find_input_problem(samples, inputs), []
@@ -142,34 +172,92 @@ class Engine:
                 )
             except ValueError as err:
                 problem = str(err)
-        num_groups = (
-            1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs and problem is None else 0
+        if problem is not None:
+            nothing = torch.zeros(0, dtype=torch.long)
+            return PreparedBatch(inputs, len(samples), problem, [], [], [], 0, nothing, 0, nothing, nothing.float())
+        num_groups = 1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs else 0
+        whole, shares = self._shares(build_microbatches(samples, plan, len(plan), self._pad_multiple(), inputs, vision))
+        attention = [None] * len(shares)
+        if self.device.type == "cpu" and dims.mesh("cp") is None:
+            # Planning attention is host work (sdpa_varlen sorts and buckets the documents);
+            # built here it leaves the step. On CUDA, flex builds its block mask on the device
+            # inside the forward, without a host sync.
+            backend = self.model.args.attn_backend
+            attention = [build_attention_context(backend, mb.seq_ids, mb.positions) for mb in shares]
+        offsets = [0]
+        for mb in shares:
+            offsets.append(offsets[-1] + mb.num_seqs)
+        return PreparedBatch(
+            inputs,
+            len(samples),
+            None,
+            whole,
+            shares,
+            attention,
+            num_groups,
+            local_counts(whole, num_groups),
+            num_seq_slots=offsets[-1],
+            seq_slots=torch.cat(
+                [torch.zeros(0, dtype=torch.long), *(mb.seq_ids + o for mb, o in zip(shares, offsets))]
+            ),
+            loss_token_mask=torch.cat([torch.zeros(0), *(mb.loss_mask.float() for mb in shares)]),
         )
+
+    def _pad_multiple(self) -> int:
+        # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks; under CP
+        # the split pads every sequence so that each rank's share divides by tp instead.
+        return self.parallel_dims.tp if self.parallel_dims.mesh("cp") is None else 1
+
+    def _shares(self, whole: list[MicroBatch]) -> tuple[list[MicroBatch], list[MicroBatch]]:
+        """Whole micro-batches and this rank's shares of them (the same ones without CP)."""
+        cp_mesh = self.parallel_dims.mesh("cp")
+        if cp_mesh is None:
+            return whole, whole
+        rank = cp_mesh.get_local_rank()
+        return whole, [
+            shard_microbatch(mb, self.parallel_dims.cp, rank, multiple=self.parallel_dims.tp) for mb in whole
+        ]
+
+    def _agree(self, batch: PreparedBatch) -> PreparedBatch:
+        """The step's one blocking collective: every rank of the batch mesh learns whether any
+        rank has a bad sample, how many micro-batches the busiest rank has (the others run
+        zero-weight filler so that FSDP's collectives match) and how many prompt groups there
+        are. A bad sample on one rank stops all of them with a ValueError instead of leaving
+        the others waiting in a collective. A small gloo all-reduce of host integers: no device
+        sync."""
+        dims = self.parallel_dims
         num_microbatches, num_groups, failed, max_samples = host_max(
-            [len(plan), num_groups, int(problem is not None), len(samples)], dims.mesh("batch")
+            [len(batch.whole), batch.num_groups, int(batch.problem is not None), batch.num_samples], dims.mesh("batch")
         )
         if failed:
-            raise ValueError(problem or "another data-parallel rank refused its samples; its error names the cause")
+            raise ValueError(
+                batch.problem or "another data-parallel rank refused its samples; its error names the cause"
+            )
         if num_groups > max_samples * dims.batch_degree:
             raise ValueError(
                 f"group_id {num_groups - 1} is out of range: group ids number the prompt groups of the "
                 f"mini-batch from 0, and it has at most {max_samples * dims.batch_degree} samples"
             )
-        num_microbatches = max(1, num_microbatches)
-        cp_mesh = dims.mesh("cp")
-        if cp_mesh is None:
-            # Sequence parallel shards every micro-batch's tokens evenly over the TP ranks.
-            whole = build_microbatches(samples, plan, num_microbatches, dims.tp, inputs, vision)
-            return whole, whole, num_groups
-        # The CP split pads every sequence so that each rank's share divides by tp.
-        whole = build_microbatches(samples, plan, num_microbatches, 1, inputs, vision)
-        rank = cp_mesh.get_local_rank()
-        return whole, [shard_microbatch(mb, dims.cp, rank, multiple=dims.tp) for mb in whole], num_groups
+        num_filler = max(1, num_microbatches) - len(batch.whole)
+        filler_whole, filler_shares = self._shares(
+            [padding_microbatch(self._pad_multiple(), batch.inputs, self.options.vision) for _ in range(num_filler)]
+        )
+        # Every rank's count vector has a slot for every prompt group of the mini-batch.
+        counts = torch.cat((batch.local_counts, batch.local_counts.new_zeros(num_groups - batch.num_groups)))
+        return replace(
+            batch,
+            whole=batch.whole + filler_whole,
+            shares=batch.shares + filler_shares,
+            attention=batch.attention + [None] * num_filler,
+            num_groups=num_groups,
+            local_counts=counts,
+        )
 
-    def _forward(self, mb: MicroBatch):
+    def _forward(self, mb: MicroBatch, attention: AttentionContext | None = None):
         """The model's final hidden states of a device-resident micro-batch, and a MoE model's
-        router statistics (None for a dense model)."""
-        kwargs = {}
+        router statistics (None for a dense model). ``attention``: the micro-batch's context
+        planned in ``prepare``; None builds it in the model's forward."""
+        kwargs = {} if attention is None else {"attention": attention}
         if mb.image_patches is not None:
             kwargs["vision"] = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
         cp_mesh = self.parallel_dims.mesh("cp")
@@ -183,10 +271,10 @@ class Engine:
             mb.input_ids, mb.positions, mb.seq_ids, router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs, **kwargs
         )
 
-    def _hidden(self, mb: MicroBatch) -> tuple[torch.Tensor, object]:
+    def _hidden(self, mb: MicroBatch, attention: AttentionContext | None) -> tuple[torch.Tensor, object]:
         """The final hidden states of a device-resident micro-batch, divided by the sampling
         temperature, and the router statistics of a MoE model (else None)."""
-        hidden, router_stats = self._forward(mb)
+        hidden, router_stats = self._forward(mb, attention)
         if self.options.temperature != 1.0:
             # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
             hidden = hidden / self.options.temperature
@@ -196,43 +284,47 @@ class Engine:
         return {"tp_mesh": self.parallel_dims.mesh("tp"), "loss_parallel": self.options.loss_parallel}
 
     def forward_backward(
-        self, samples: list[Sample], loss_fn: str = "cross_entropy", loss_fn_config: dict[str, Any] | None = None
+        self,
+        batch: "list[Sample] | PreparedBatch",
+        loss_fn: str = "cross_entropy",
+        loss_fn_config: dict[str, Any] | None = None,
     ) -> ForwardBackwardMetrics:
-        """Accumulate the gradient of ``Σ_t w_t ℓ_t`` over this rank's ``samples``.
+        """Accumulate the gradient of ``Σ_t w_t ℓ_t`` over this rank's samples.
 
-        ``loss_fn`` names an entry of ``losses.loss_fns.LOSS_FNS``; ``loss_fn_config`` sets
-        its options (clip bounds, ``kl_coef``, ``entropy_coef``, ...). The samples must carry
-        the inputs the loss reads (advantages, sampler / reference log-probs, and a
-        ``group_id`` under ``prompt_mean``).
+        ``batch`` is the samples, or what ``prepare`` made of them for the same loss (a loader
+        prepares on its prefetch thread). ``loss_fn`` names an entry of
+        ``losses.loss_fns.LOSS_FNS``; ``loss_fn_config`` sets its options (clip bounds,
+        ``kl_coef``, ``entropy_coef``, ...). The samples must carry the inputs the loss reads
+        (advantages, sampler / reference log-probs, and a ``group_id`` under ``prompt_mean``).
         """
         loss = resolve_loss_fn(loss_fn, loss_fn_config)
-        inputs = loss.inputs + (("group_id",) if self.options.reduction in GROUPED_MODES else ())
-        whole, microbatches, num_groups = self._microbatches(samples, inputs)
+        batch = self._agree(self._prepared(batch, _loss_inputs(loss, self.options.reduction)))
+        microbatches = batch.shares
         # Counts come from whole sequences: a CP share would miscount n_i and B.
-        counts = global_counts(whole, self.parallel_dims.mesh("batch"), self.device, num_groups)
-        cp_mesh = self.parallel_dims.mesh("cp")
-        loss_total = torch.zeros((), device=self.device)
-        max_seq_loss = torch.full((), -torch.inf, device=self.device)
-        metrics = LossMetrics()
+        counts = global_counts(batch.local_counts, self.parallel_dims.mesh("batch"), self.device)
         router = self.options.router
         # The global load-balancing loss needs the counts of every micro-batch before the first
         # backward; with one micro-batch per rank its own forward provides them.
         needs_counting_pass = router is not None and router.needs_global_counts and len(microbatches) > 1
-        expert_counts = self._expert_counts(microbatches) if needs_counting_pass else None
+        expert_counts = self._expert_counts(batch) if needs_counting_pass else None
         router_metrics = None
-        for i, mb in enumerate(microbatches):
-            mb = mb.to(self.device)
+        # The small per-token work (weights before, metrics after) runs for all micro-batches
+        # at once: on a CPU the first small op after a large one pays for cold caches, so
+        # interleaving it with the passes would cost that once per micro-batch.
+        microbatches = [mb.to(self.device) for mb in microbatches]
+        weights = [token_weights(mb, self.options.reduction, counts, self.options.horizon) for mb in microbatches]
+        values, outputs = [], []
+        for i, (mb, mb_weights, attention) in enumerate(zip(microbatches, weights, batch.attention)):
             if isinstance(self.model, FSDPModule):
                 # Accumulate unsharded gradients locally; reduce-scatter their sum once.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-            weights = token_weights(mb, self.options.reduction, counts, self.options.horizon)
 
-            def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=weights):
+            def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=mb_weights):
                 chunk = mb.map_tokens(lambda t: t[start:end])
                 return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
 
             with self._autocast():
-                hidden, router_stats = self._hidden(mb)
+                hidden, router_stats = self._hidden(mb, attention)
                 # The loss and its gradient with respect to the hidden states and output weight,
                 # chunk by chunk; backward through the model starts from there.
                 value, logprobs, entropy = token_loss(
@@ -245,7 +337,6 @@ class Engine:
                     entropy_grad=loss.options["entropy_coef"] != 0,
                     **self._logprob_options(),
                 )
-            terms = token_terms(loss, logprobs, entropy, mb)  # detached: for metrics
             objective = value
             if router_stats is not None:
                 aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
@@ -253,22 +344,59 @@ class Engine:
                 # Logged apart (moe/*): their partials are spread over TP ranks too, unlike the token loss's.
                 objective = value + router.aux_loss_coef * aux + router.z_loss_coef * z
             objective.backward()
-            loss_total += value.detach()
-            metrics.add(terms, weights)
-            token_losses = per_token_loss(loss, terms).detach()
-            max_seq_loss = torch.maximum(max_seq_loss, _max_sequence_mean_loss(mb, token_losses, cp_mesh))
+            values.append(value.detach())
+            outputs.append((logprobs, entropy))
+            del objective, value, hidden, router_stats
+        metrics, token_losses = LossMetrics(), []
+        for mb, mb_weights, (logprobs, entropy) in zip(microbatches, weights, outputs):
+            terms = token_terms(loss, logprobs, entropy, mb)  # detached: for metrics
+            metrics.add(terms, mb_weights)
+            if not mb.is_padding:
+                token_losses.append(per_token_loss(loss, terms))
         return ForwardBackwardMetrics(
-            loss=loss_total, max_seq_loss=max_seq_loss, counts=counts, terms=metrics, router=router_metrics
+            loss=torch.stack(values).sum(),
+            max_seq_loss=self._max_sequence_mean_loss(batch, token_losses),
+            counts=counts,
+            terms=metrics,
+            router=router_metrics,
         )
 
+    def _prepared(self, batch: "list[Sample] | PreparedBatch", inputs: tuple[str, ...]) -> PreparedBatch:
+        if not isinstance(batch, PreparedBatch):
+            return self._prepare(batch, inputs)
+        if batch.inputs != inputs:
+            raise ValueError(
+                f"the batch was prepared for a loss reading {batch.inputs or 'no inputs'}, but this one reads "
+                f"{inputs or 'none'}: prepare it with the same loss_fn and reduction"
+            )
+        return batch
+
+    def _max_sequence_mean_loss(self, batch: PreparedBatch, token_losses: list[torch.Tensor]) -> torch.Tensor:
+        """Largest mean loss over the loss tokens of one sequence, among this rank's sequences
+        with loss tokens (-inf if none has any; RL losses can be negative), from the per-token
+        losses of the batch's real micro-batches.
+
+        One pass for the whole step: every sequence of the step has its own slot
+        (``PreparedBatch.seq_slots``). Under context parallel each rank holds part of every
+        sequence: the per-sequence sums and counts are summed over ``cp`` before dividing.
+        """
+        if not token_losses:
+            return torch.full((), -torch.inf, device=self.device)
+        slots, mask = batch.seq_slots.to(self.device), batch.loss_token_mask.to(self.device)
+        per_seq = torch.zeros(2, batch.num_seq_slots, device=self.device)
+        per_seq.index_add_(1, slots, torch.stack((torch.cat(token_losses) * mask, mask)))
+        per_seq_sum, per_seq_count = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
+        means = per_seq_sum / per_seq_count.clamp(min=1)
+        return torch.where(per_seq_count > 0, means, -torch.inf).max()
+
     @torch.no_grad()
-    def _expert_counts(self, microbatches: list[MicroBatch]) -> torch.Tensor:
+    def _expert_counts(self, batch: PreparedBatch) -> torch.Tensor:
         """Top-k counts ``[L, E]`` of every real token of the mini-batch (every rank), from a
         counting pass through the model body (no LM head, no autograd)."""
         total = None
-        for mb in microbatches:
+        for mb, attention in zip(batch.shares, batch.attention):
             with self._autocast():
-                _, stats = self._forward(mb.to(self.device))
+                _, stats = self._forward(mb.to(self.device), attention)
             counts = stats.counts.sum(1)
             total = counts if total is None else total + counts
         return all_reduce(total, "sum", self.parallel_dims.mesh("world"))
@@ -328,10 +456,11 @@ class Engine:
         logprobs: list[torch.Tensor] = []
         entropies: list[torch.Tensor] = []
         cp_mesh = self.parallel_dims.mesh("cp")
-        for mb in self._microbatches(samples)[1]:
+        batch = self._agree(self._prepare(samples, ()))
+        for mb, attention in zip(batch.shares, batch.attention):
             mb = mb.to(self.device)
             with self._autocast():
-                hidden, _ = self._hidden(mb)
+                hidden, _ = self._hidden(mb, attention)
                 mb_logprobs, mb_entropy = token_logprobs(
                     hidden,
                     self.model.output.weight,
@@ -365,17 +494,6 @@ class Engine:
         return {"grad_norm": grad_norm, "lr": lr}
 
 
-def _max_sequence_mean_loss(mb: MicroBatch, token_losses: torch.Tensor, cp_mesh) -> torch.Tensor:
-    """Largest mean loss over the loss tokens of one sequence, among this micro-batch's
-    sequences with loss tokens (-inf if none has any; RL losses can be negative).
-
-    Under context parallel each rank holds part of every sequence: the per-sequence sums
-    and counts are summed over ``cp`` before dividing.
-    """
-    mask = mb.loss_mask.to(token_losses.dtype)
-    per_seq = torch.zeros(2, mb.num_seqs, device=token_losses.device)
-    per_seq[0].index_add_(0, mb.seq_ids, token_losses * mask)
-    per_seq[1].index_add_(0, mb.seq_ids, mask)
-    per_seq_sum, per_seq_count = all_reduce(per_seq, "sum", cp_mesh)
-    means = per_seq_sum / per_seq_count.clamp(min=1)
-    return torch.where(per_seq_count > 0, means, -torch.inf).max()
+def _loss_inputs(loss, reduction: str) -> tuple[str, ...]:
+    """The optional sample inputs (``data.packing.OPTIONAL_INPUTS``) a loss under a reduction mode reads."""
+    return loss.inputs + (("group_id",) if reduction in GROUPED_MODES else ())

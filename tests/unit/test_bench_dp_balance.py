@@ -188,3 +188,21 @@ def test_the_compute_timer_counts_nested_regions_once():
     with pytest.raises(RuntimeError, match="boom"):
         timer.wrap(fails)()
     assert timer._depth == 0  # an exception leaves the region
+
+
+def test_the_compute_timer_leaves_excluded_host_work_out():
+    now = [0.0]
+    timer = bench.ComputeTimer(clock=lambda: now[0])
+
+    def plan():
+        now[0] += 4.0
+
+    def forward():
+        now[0] += 1.0
+        timer.exclude(plan)()
+        now[0] += 2.0
+
+    timer.wrap(forward)()
+    assert timer.seconds == 3.0
+    timer.exclude(plan)()  # outside any region: not compute either way
+    assert timer.seconds == 3.0

@@ -285,3 +285,21 @@ def test_an_error_in_prefetch_surfaces_at_its_step(tmp_path):
         next(ahead)
     assert str(ahead_error.value) == str(plain_error.value)
     ahead.close()
+
+
+def test_prepare_runs_on_the_prefetch_thread_and_its_results_are_yielded():
+    threads = []
+
+    def prepare(samples):
+        threads.append(threading.current_thread().name)
+        return ("prepared", as_lists(samples))
+
+    plain = build_sft_dataloader(STREAM_ROWS, TOKENIZER, **KWARGS)
+    ahead = build_sft_dataloader(STREAM_ROWS, TOKENIZER, **KWARGS, prefetch=True, prepare=prepare)
+    plain_iter, ahead_iter = iter(plain), iter(ahead)
+    for _ in range(4):
+        assert next(ahead_iter) == ("prepared", as_lists(next(plain_iter)))
+    ahead.dataset.close()
+    # The first batch is made when asked for; every later one ahead, in the background.
+    assert threads[0] == threading.current_thread().name
+    assert threads[1:] and set(threads[1:]) == {"sft-data-prefetch"}

@@ -259,6 +259,62 @@ def test_forward_backward_calls_accumulate():
     assert any(not torch.allclose(g, a, rtol=1e-3, atol=1e-6) for g, a in zip(got, grads_a))
 
 
+@pytest.mark.parametrize("backend", ["sdpa_varlen", "sdpa_loop", "sdpa_dense"])
+def test_a_prepared_batch_trains_like_its_samples(backend):
+    """``prepare`` (what the loader runs on its prefetch thread) packs, counts and plans the
+    attention of every micro-batch ahead; the step is the reference's all the same."""
+    args = dataclasses.replace(ARGS, attn_backend=backend)
+    raw = random_raw(9)
+    direct, ahead = make_engine(max_tokens=12, args=args), make_engine(max_tokens=12, args=args)
+    batch = ahead.prepare(samples_of(raw), "cross_entropy")
+    assert len(batch.shares) > 1 and [a.backend for a in batch.attention] == [backend] * len(batch.shares)
+    got, expected = ahead.forward_backward(batch), direct.forward_backward(samples_of(raw))
+    ref_loss, ref_grads = reference_grads(ahead.model, raw, "token_mean")
+    assert_grads_close(grads_of(ahead.model), ref_grads)
+    torch.testing.assert_close(got.loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.max_seq_loss, expected.max_seq_loss)
+    assert got.counts.tolist() == expected.counts.tolist()
+
+
+def test_a_batch_prepared_for_another_loss_or_with_a_bad_sample_is_refused():
+    engine = make_engine()
+    batch = engine.prepare(samples_of(random_raw(10)))
+    with pytest.raises(ValueError, match="prepared for a loss reading no inputs.*advantages"):
+        engine.forward_backward(batch, "ppo")
+    # A bad sample is recorded by prepare (no collective there) and raised by the step.
+    spoiled = engine.prepare(samples_of(random_raw(10)), "ppo")
+    assert spoiled.problem is not None and "advantages" in spoiled.problem
+    with pytest.raises(ValueError, match="advantages"):
+        engine.forward_backward(spoiled, "ppo")
+    assert all(p.grad is None for p in engine.model.parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_cuda_step_never_waits_for_the_device():
+    """The step's one blocking collective agrees on the plan over gloo on the host; the
+    counts are reduced on the device and metrics stay there: forward_backward + optim_step
+    of a dense model under flex attention make no device-to-host sync (after a first step
+    that compiles flex for these shapes)."""
+    cuda = torch.device("cuda")
+    engine = make_engine(max_tokens=12, args=dataclasses.replace(ARGS, attn_backend="auto"))
+    engine.model.to(cuda)
+    engine.device = cuda
+    engine.optimizer = build_optimizer(engine.model, LR, BETAS[0], BETAS[1], EPS, WD)
+    engine.lr_scheduler = build_lr_scheduler(engine.optimizer, 10, 0, "linear", 0.1)
+    samples = samples_of(random_raw(11))
+    engine.forward_backward(engine.prepare(samples))
+    engine.optim_step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        metrics = engine.forward_backward(engine.prepare(samples))
+        engine.optim_step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert metrics.loss.device.type == "cuda" and torch.isfinite(metrics.loss)
+
+
 def test_unknown_loss_fn():
     engine = make_engine()
     with pytest.raises(ValueError, match="'nope'.*cross_entropy"):

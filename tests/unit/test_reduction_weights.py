@@ -351,7 +351,7 @@ def test_local_counts_brute_force():
         assert counts.dtype == torch.int64
         assert counts.tolist() == expected
         # Single rank: the "all-reduce" is the identity.
-        assert global_counts(mbs, None, torch.device("cpu")).tolist() == expected
+        assert global_counts(counts, None, torch.device("cpu")).tolist() == expected
 
 
 def test_local_counts_of_padding_only_is_zero():

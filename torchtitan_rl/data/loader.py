@@ -14,7 +14,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +40,10 @@ _VISION_COUNTERS = ("num_images", "num_dropped_image_cut")
 
 @dataclass(frozen=True)
 class _Batch:
-    """A step's samples for this rank and the loader's state and statistics right after them."""
+    """A step's samples for this rank (or what ``prepare`` made of them) and the loader's state
+    and statistics right after them."""
 
-    samples: list[Sample]
+    samples: Any
     state: dict[str, Any]
     balance_stats: dict[str, float]
 
@@ -104,6 +105,10 @@ class SFTDataLoader(IterableDataset):
     batches are the same; ``state_dict`` and the statistics describe the batches taken, not
     the one being prepared, and an error of the background work is raised by the ``next``
     that wanted its batch. ``close`` waits for the background work.
+
+    ``prepare`` (optional) turns the rank's samples into what the trainer steps on, e.g.
+    ``Engine.prepare``'s planned and packed micro-batches; the loader then yields its results,
+    computed on the prefetch thread like the rest. It must not run collectives.
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class SFTDataLoader(IterableDataset):
         vision: VisionDataConfig | None = None,
         balance_dp_compute: bool = False,
         prefetch: bool = False,
+        prepare: Callable[[list[Sample]], Any] | None = None,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -157,6 +163,7 @@ class SFTDataLoader(IterableDataset):
         self._order = self._epoch_order()
         self._warned_no_loss_tokens = False
         self.prefetch = prefetch
+        self.prepare = prepare
         self._prefetch: _Prefetch | None = None
         # What the caller sees: the state and statistics after the last batch it took (the
         # fields above run ahead while the next batch is prepared).
@@ -221,7 +228,7 @@ class SFTDataLoader(IterableDataset):
     def __iter__(self) -> "SFTDataLoader":
         return self
 
-    def __next__(self) -> list[Sample]:
+    def __next__(self) -> Any:
         if self._prefetch is None:
             batch = self._produce()
         else:
@@ -252,7 +259,8 @@ class SFTDataLoader(IterableDataset):
         mine = self._assign(global_batch)[self.batch_rank]
         # Pixels only for this rank's share: decoding is the expensive part of an image.
         samples = [build_sample(global_batch[i], self.vision) for i in mine]
-        return _Batch(samples, self._live_state(), dict(self._balance_stats))
+        batch = samples if self.prepare is None else self.prepare(samples)
+        return _Batch(batch, self._live_state(), dict(self._balance_stats))
 
     def _assign(self, global_batch: list[PlannedSample]) -> list[list[int]]:
         """Per DP rank, the global-batch indices it trains; records both splits' imbalance."""
@@ -307,8 +315,8 @@ class SFTDataLoader(IterableDataset):
         self._taken_state = self._live_state()
 
 
-def _keep_samples(batch: list[Sample]) -> list[Sample]:
-    # Samples are already tensors of different lengths; packing them is the next stage's job.
+def _keep_samples(batch):
+    # Samples are already tensors of different lengths; packing them is the engine's job.
     return batch
 
 
@@ -325,6 +333,7 @@ def build_sft_dataloader(
     vision: VisionDataConfig | None = None,
     balance_dp_compute: bool = False,
     prefetch: bool = False,
+    prepare: Callable[[list[Sample]], Any] | None = None,
 ) -> StatefulDataLoader:
     """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
     ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
@@ -340,6 +349,7 @@ def build_sft_dataloader(
         vision=vision,
         balance_dp_compute=balance_dp_compute,
         prefetch=prefetch,
+        prepare=prepare,
     )
     with warnings.catch_warnings():
         # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does

@@ -103,6 +103,8 @@ class MicroBatch:
         return replace(self, **{name: fn(v) for name, v in self.token_fields().items()})
 
     def to(self, device: torch.device) -> "MicroBatch":
+        if self.input_ids.device == device:
+            return self  # built where it runs (the CPU): nothing to copy
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         patches = None if self.image_patches is None else move(self.image_patches)
         return replace(

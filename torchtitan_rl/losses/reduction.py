@@ -56,15 +56,14 @@ def local_counts(microbatches: list[MicroBatch], num_groups: int = 0) -> torch.T
     return counts
 
 
-def global_counts(
-    microbatches: list[MicroBatch], batch_mesh: DeviceMesh | None, device: torch.device, num_groups: int = 0
-) -> torch.Tensor:
-    """Counts summed over every rank that loads different samples; stays on ``device``.
+def global_counts(counts: torch.Tensor, batch_mesh: DeviceMesh | None, device: torch.device) -> torch.Tensor:
+    """This rank's ``local_counts`` summed over every rank that loads different samples;
+    stays on ``device`` (no host sync).
 
     A prompt group whose samples sit on several DP ranks gets its loss tokens summed here,
     so its count is that of the whole group.
     """
-    return all_reduce(local_counts(microbatches, num_groups).to(device), "sum", batch_mesh)
+    return all_reduce(counts.to(device, non_blocking=True), "sum", batch_mesh)
 
 
 def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """The SFT recipe: cross-entropy on the assistant tokens of chat rows, one optimizer step per
 global mini-batch."""
 
+import functools
 import logging
 import os
 import time
@@ -59,6 +60,11 @@ class SFTRecipe(Recipe):
             vision=vision_data_config(job_config, self.model_args),
             balance_dp_compute=t.balance_dp_compute,
             prefetch=t.dataset_prefetch,
+            # Checking, planning, packing and counting the micro-batches (and, on the CPU,
+            # planning their attention) run on the prefetch thread too, off the step.
+            prepare=functools.partial(
+                self.engine.prepare, loss_fn=self.loss_fn.name, loss_fn_config=self.loss_fn.options
+            ),
         )
         self.checkpointer = self.build_checkpointer(self.dataloader)
 
@@ -71,9 +77,9 @@ class SFTRecipe(Recipe):
         first = self.train_state.step + 1
         logger.info("training steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
         for step in range(first, steps + 1):
-            samples = next(data_iter)
+            batch = next(data_iter)
             with self.memory_profiler.step(step):
-                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options)
+                fb = self.engine.forward_backward(batch, self.loss_fn.name, self.loss_fn.options)
                 optim = self.engine.optim_step()
             window_tokens = window_tokens + fb.counts[NUM_TOKENS]
             window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
