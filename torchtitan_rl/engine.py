@@ -28,7 +28,14 @@ from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
-from torchtitan_rl.losses.loss_fns import LossMetrics, per_token_loss, resolve_loss_fn, token_terms, weighted_loss
+from torchtitan_rl.losses.loss_fns import (
+    LossMetrics,
+    old_logprobs,
+    per_token_loss,
+    resolve_loss_fn,
+    token_terms,
+    weighted_loss,
+)
 from torchtitan_rl.losses.reduction import (
     GROUPED_MODES,
     NUM_MICROBATCHES,
@@ -318,13 +325,15 @@ class Engine:
             if isinstance(self.model, FSDPModule):
                 # Accumulate unsharded gradients locally; reduce-scatter their sum once.
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
-
-            def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=mb_weights):
-                chunk = mb.map_tokens(lambda t: t[start:end])
-                return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
-
             with self._autocast():
                 hidden, router_stats = self._hidden(mb, attention)
+                if loss.needs_sequence_log_ratio:
+                    mb = microbatches[i] = replace(mb, seq_log_ratio=self._sequence_log_ratio(mb, hidden, loss))
+
+                def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=mb_weights):
+                    chunk = mb.map_tokens(lambda t: t[start:end])
+                    return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
+
                 # The loss and its gradient with respect to the hidden states and output weight,
                 # chunk by chunk; backward through the model starts from there.
                 value, logprobs, entropy = token_loss(
@@ -360,6 +369,27 @@ class Engine:
             terms=metrics,
             router=router_metrics,
         )
+
+    @torch.no_grad()
+    def _sequence_log_ratio(self, mb: MicroBatch, hidden: torch.Tensor, loss) -> torch.Tensor:
+        """Each token's ``mean(logp_θ − logp_old)`` over its sequence's loss tokens (0 for a
+        sequence without any), from a gradient-free pass of the output head over ``hidden``.
+
+        A sequence is never split over micro-batches, but its tokens may be spread over the
+        logits chunks of this pass and over the CP ranks: its sums are taken over every token of
+        this share, then summed over ``cp``, so every token of a sequence sees the same mean
+        on every rank and for any layout.
+        """
+        logprobs, _ = token_logprobs(
+            hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size, **self._logprob_options()
+        )
+        mask = mb.loss_mask.to(torch.float32)
+        per_seq = torch.zeros(2, mb.num_seqs, device=self.device)
+        per_seq.index_add_(
+            1, mb.seq_ids, torch.stack(((logprobs.float() - old_logprobs(mb, loss.options)) * mask, mask))
+        )
+        sums, counts = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
+        return (sums / counts.clamp(min=1))[mb.seq_ids]
 
     def _prepared(self, batch: "list[Sample] | PreparedBatch", inputs: tuple[str, ...]) -> PreparedBatch:
         if not isinstance(batch, PreparedBatch):

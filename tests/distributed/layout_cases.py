@@ -82,20 +82,41 @@ def global_batch(variant: str) -> list[Sample]:
 RL_GROUPS = (0, 1, 1, 1, 1, 2, 2, 3)
 RL_ZERO_ADVANTAGE = 6
 RL_LOSS_FNS = {
+    # Decoupled PPO: the ratio to the proximal log-probs, times the rollout-correction weights.
     "ppo": {
         "clip_low": 0.2,
         "clip_high": 0.28,
-        "dual_clip_c": 1.5,
+        "dual_clip_c": 1.3,
         "kl_coef": 0.5,
         "kl_estimator": "k3",
         "entropy_coef": 0.5,
+        "proximal_logprobs": True,
+        "rollout_weights": True,
+    },
+    "gspo": {
+        "clip_low": 0.02,
+        "clip_high": 0.03,
+        "kl_coef": 0.5,
+        "kl_estimator": "k3",
+        "entropy_coef": 0.5,
+        "proximal_logprobs": True,
+        "rollout_weights": True,
     },
     "cispo": {"clip_low": 0.3, "clip_high": 0.2, "kl_coef": 0.5, "kl_estimator": "low_var_kl", "entropy_coef": 0.5},
     "importance_sampling": {"kl_coef": 0.5, "kl_estimator": "k2", "entropy_coef": 0.5},
 }
 RL_BUDGETS = (0, 24)
 # (dp_replicate, dp_shard, cp, tp) layouts that run every RL loss, mode and budget.
-RL_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 4, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 2, 2))
+RL_LAYOUTS = (
+    (1, 1, 1, 1),
+    (1, 2, 1, 1),
+    (1, 4, 1, 1),
+    (1, 1, 1, 2),
+    (1, 1, 2, 1),
+    (1, 2, 1, 2),
+    (1, 2, 2, 1),
+    (1, 1, 2, 2),
+)
 
 
 def rl_batch() -> list[Sample]:
@@ -110,6 +131,10 @@ def rl_batch() -> list[Sample]:
         sample.advantages = advantages
         sample.sampler_logprobs = base + 0.3 * torch.randn(n, generator=gen)
         sample.ref_logprobs = base + 0.3 * torch.randn(n, generator=gen)
+        sample.prox_logprobs = base + 0.3 * torch.randn(n, generator=gen)
+        # Rollout-correction weights in [0, 2), a quarter of the tokens masked (0).
+        weights = 2 * torch.rand(n, generator=gen)
+        sample.rollout_weights = torch.where(torch.rand(n, generator=gen) < 0.25, 0.0, weights)
         sample.group_id = RL_GROUPS[i]
         samples.append(sample)
     return samples

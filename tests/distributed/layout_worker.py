@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
+import torchtitan_rl.engine as engine_module
 from generator_cases import run_generator_checks
 from moe_cases import run_moe_checks
 from reshard_cases import run_reshard_checks
@@ -114,6 +115,33 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
 def case_key(prefix: str, loss_fn: str, mode: str, budget: int, variants: tuple, step: bool = False) -> str:
     head = prefix if loss_fn == "cross_entropy" else f"{prefix}/rl/{loss_fn}"
     return f"{head}/{mode}/budget{budget}/{'+'.join(variants)}" + ("/step" if step else "")
+
+
+def run_gspo_cp_mutant(dims: ParallelDims, results: dict) -> None:
+    """GSPO with each CP share's own sequence means (the sum over ``cp`` left out), on the RL
+    layouts with context parallel: the layout check must reject it (``mutant/...`` keys)."""
+    layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    if dims.cp == 1 or layout not in lc.RL_LAYOUTS:
+        return
+    sequence_log_ratio = engine_module.Engine._sequence_log_ratio
+    reduce = engine_module.all_reduce
+
+    def per_share(self, *args):
+        engine_module.all_reduce = lambda t, op, mesh: t
+        try:
+            return sequence_log_ratio(self, *args)
+        finally:
+            engine_module.all_reduce = reduce
+
+    case = ("gspo", "sequence_mean", 24, ("rl",), False)
+    mutant: dict = {}
+    engine_module.Engine._sequence_log_ratio = per_share
+    try:
+        run_layout(dims, False, mutant, [case])
+    finally:
+        engine_module.Engine._sequence_log_ratio = sequence_log_ratio
+    prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}"
+    results[f"mutant/{case_key(prefix, *case)}"] = mutant[case_key(prefix, *case)]
 
 
 # (loss_fn, reduction mode, micro-batch budget, data passed to successive forward_backward
@@ -346,6 +374,7 @@ def run_all_layouts(world_size: int) -> dict:
         rl_cases = RL_CASES if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
         # RL cases first: the last SFT case steps the optimizer.
         run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if composite else CASES))
+        run_gspo_cp_mutant(dims, results)
         if (dp_replicate, dp_shard, cp, tp) in lc.VARLEN_LAYOUTS:
             run_layout(dims, False, results, COMPOSITE_CASES, attn_backend="sdpa_varlen")
         if dp_replicate == 1:

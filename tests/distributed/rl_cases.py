@@ -6,6 +6,13 @@ of a step (``rank_prompt_slots``, two mini-batches), generates its peer part
 mini-batch's rollouts into samples and balances them over the data-parallel ranks
 (``balance_over_data_parallel``), exactly as the GRPO trainer does. Rank 0 records every rank's
 part and results for test_rollout_exchange.py.
+
+On the layouts of ``DYNAMIC_SAMPLING_LAYOUTS`` (1, 2 and 4 data-parallel ranks, with and without
+CP / TP peers) one step of dynamic sampling draws rounds of prompts from a ``PromptStream`` until
+it has enough groups with signal, the way the GRPO trainer does: peers split each round's
+generation, ranks gather the round's groups with signal (``gather_groups_with_signal``) and
+keep the first ones (``select_groups_with_signal``); each rank records the problems kept and
+the groups it trains.
 """
 
 import torch
@@ -15,8 +22,10 @@ import layout_cases as lc
 from generator_cases import prompts
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import (
+    PromptStream,
     balance_over_data_parallel,
     exchange_among_peers,
     generate_share,
@@ -34,6 +43,10 @@ NUM_SAMPLES, NUM_MINIBATCHES = 2, 2
 MAX_PROMPTS_PER_BATCH = 1
 PARAMS = SamplingParams(max_new_tokens=5, temperature=1.0, stop_token_ids=(0,))
 SEED, STEP = 11, 2
+
+DYNAMIC_SAMPLING_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1), (1, 2, 1, 2), (1, 2, 2, 1))
+# 8 prompts per round: divisible by the 2 mini-batches times every layout's 1, 2 or 4 DP ranks.
+POOL_SIZE, PROMPTS_PER_STEP, MAX_SAMPLING_ROUNDS, STREAM_SEED = 12, 8, 3, 5
 
 
 def layout_key(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> str:
@@ -61,14 +74,44 @@ def reward(rollout) -> Reward:
     return Reward(float(len(rollout.completion_tokens) % 2), False, {})
 
 
+def signal_reward(rollout) -> Reward:
+    """A reward whose groups of two have signal about half of the time (first token's parity)."""
+    return Reward(float(rollout.completion_tokens[0] % 2), False, {})
+
+
+def dynamic_pool() -> list[list[int]]:
+    """The task's prompt pool: ``POOL_SIZE`` prompts of 1 to 8 tokens."""
+    gen = torch.Generator().manual_seed(9)
+    lengths = torch.randint(1, 9, (POOL_SIZE,), generator=gen).tolist()
+    return [torch.randint(0, lc.VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
 def run_rollout_exchange_checks(dims: ParallelDims, results: dict) -> None:
     layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
-    if layout not in EXCHANGE_LAYOUTS:
-        return
+    if layout in EXCHANGE_LAYOUTS:
+        run_exchange(dims, results)
+    if layout in DYNAMIC_SAMPLING_LAYOUTS:
+        run_dynamic_sampling(dims, results)
+
+
+def generator_for(dims: ParallelDims) -> TorchGenerator:
     args = lc.model_args(False)
     model = build_model(args, parallel_dims=dims, device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32)
     generator = TorchGenerator(args, torch.device("cpu"), max_prompts_per_batch=MAX_PROMPTS_PER_BATCH)
     generator.update_weights(model)
+    return generator
+
+
+def gather_to_all(mine: dict) -> list[dict]:
+    if not dist.is_initialized():
+        return [mine]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def run_exchange(dims: ParallelDims, results: dict) -> None:
+    generator = generator_for(dims)
     step_prompts = prompts()
     slots_by_minibatch = rank_prompt_slots(len(step_prompts), NUM_MINIBATCHES, dims.batch_rank(), dims.batch_degree)
     slots = [s for mb in slots_by_minibatch for s in mb]
@@ -86,6 +129,43 @@ def run_rollout_exchange_checks(dims: ParallelDims, results: dict) -> None:
         "balanced": [[sample_summary(s) for s in mb] for mb in balanced],
         "imbalance": imbalance,
     }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    results[layout_key(*layout)] = gathered
+    results[layout_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(mine)
+
+
+def dynamic_sampling_key(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> str:
+    return f"dynamic_sampling/rep{dp_replicate}_shard{dp_shard}_cp{cp}_tp{tp}"
+
+
+def run_dynamic_sampling(dims: ParallelDims, results: dict) -> None:
+    generator = generator_for(dims)
+    pool = dynamic_pool()
+    stream = PromptStream(POOL_SIZE, PROMPTS_PER_STEP, STREAM_SEED)
+    slots_by_minibatch = rank_prompt_slots(PROMPTS_PER_STEP, NUM_MINIBATCHES, dims.batch_rank(), dims.batch_degree)
+    slots = [s for mb in slots_by_minibatch for s in mb]
+    peer_mesh = dims.mesh("cp_tp")
+    problem_of: dict[int, int] = {}  # candidate index -> problem id
+
+    def draw_round(round_index: int):
+        offset = round_offset(round_index, PROMPTS_PER_STEP)
+        problem_ids = stream.next_step()
+        problem_of.update({offset + s: p for s, p in enumerate(problem_ids)})
+        step_prompts = [pool[p] for p in problem_ids]
+        local = generate_share(generator, step_prompts, slots, NUM_SAMPLES, PARAMS, SEED, STEP, peer_mesh, offset)
+        rollouts = exchange_among_peers(local, peer_mesh)
+        groups = score_groups(rollouts, [signal_reward(r) for r in rollouts], NUM_SAMPLES, "grpo", 1e-6)
+        return gather_groups_with_signal(groups, dims.mesh("batch"))
+
+    selection = select_groups_with_signal(draw_round, PROMPTS_PER_STEP, MAX_SAMPLING_ROUNDS, warn=False)
+    trained_slots = set(slots)
+    record = {
+        "batch_rank": dims.batch_rank(),
+        "kept_problems": [problem_of[g.rollouts[0].prompt_index] for g in selection.groups],
+        "num_rounds": selection.num_rounds,
+        "num_with_signal": selection.num_with_signal,
+        "trained": [
+            (g.slot, problem_of[g.rollouts[0].prompt_index], [r.completion_tokens for r in g.rollouts])
+            for g in selection.groups
+            if g.slot in trained_slots
+        ],
+    }
+    results[dynamic_sampling_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(record)

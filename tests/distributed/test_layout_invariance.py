@@ -249,11 +249,21 @@ def rl_token_values(model: Qwen3Model, loss_fn: str) -> list[dict]:
     out = []
     for sample in lc.rl_batch():
         v = per_sequence_values(model, sample)
-        logp, adv = v["logprobs"], sample.advantages
-        ratio = torch.exp(logp - sample.sampler_logprobs)
+        logp, adv, mask = v["logprobs"], sample.advantages, sample.loss_mask.float()
+        old = sample.prox_logprobs if cfg.get("proximal_logprobs") else sample.sampler_logprobs
+        ratio = torch.exp(logp - old)
         low, high = 1 - cfg.get("clip_low", 0.0), 1 + cfg.get("clip_high", 0.0)
         stats = {}
-        if loss_fn == "importance_sampling":
+        if loss_fn == "gspo":
+            # The sequence's ratio exp(mean of log r over its loss tokens) in value, each token's
+            # own log-prob in gradient; the clip and its fractions per sequence, per sign of A.
+            seq_log_ratio = ((logp - old) * mask).sum() / mask.sum().clamp(min=1)
+            ratio = torch.exp(seq_log_ratio.detach() + logp - logp.detach())
+            pg = torch.where(adv >= 0, -ratio.clamp(max=high) * adv, -ratio.clamp(min=low) * adv)
+            stats["gspo/clipfrac_low"] = (adv < 0) & (ratio < low)
+            stats["gspo/clipfrac_high"] = (adv > 0) & (ratio > high)
+            stats["gspo/clipfrac"] = stats["gspo/clipfrac_low"] | stats["gspo/clipfrac_high"]
+        elif loss_fn == "importance_sampling":
             pg = -ratio * adv
         elif loss_fn == "ppo":
             # The pessimistic bound written per sign of A: min(r, 1+e) for A >= 0, max(r, 1-e) for A < 0.
@@ -269,6 +279,9 @@ def rl_token_values(model: Qwen3Model, loss_fn: str) -> list[dict]:
             pg = -ratio.detach().clamp(low, high) * adv * logp
             stats["clipfrac_low"], stats["clipfrac_high"] = ratio < low, ratio > high
             stats["clipfrac"] = stats["clipfrac_low"] | stats["clipfrac_high"]
+        if cfg.get("rollout_weights"):
+            pg = pg * sample.rollout_weights
+        stats["ppo_kl"] = (old - logp).detach()
         delta = logp - sample.ref_logprobs
         k3 = torch.exp(-delta) - 1 + delta
         kl = {"k2": delta**2 / 2, "k3": k3, "low_var_kl": k3.clamp(max=10.0)}[cfg["kl_estimator"]]
@@ -280,7 +293,7 @@ def rl_token_values(model: Qwen3Model, loss_fn: str) -> list[dict]:
                 "pg_loss": pg,
                 "kl": kl,
                 "entropy": v["entropy"],
-                "mask": sample.loss_mask.float(),
+                "mask": mask,
                 "stats": stats,
             }
         )
@@ -318,7 +331,7 @@ def _rl_reference(loss_fn: str, mode: str, budget: int, dp: int) -> RLReference:
         logged[f"rl/{term}"] = float(reduced_loss([(s[term].detach(), s["mask"]) for s in seqs], mode, budget, dp))
     for name in seqs[0]["stats"]:
         values = torch.cat([s["stats"][name] for s in seqs]).double()[masks]
-        if name.startswith("clipfrac"):
+        if name.startswith(("clipfrac", "gspo/clipfrac")) or name == "ppo_kl":
             logged[f"rl/{name}"] = float(values.mean())
             continue
         logged[f"rl/{name}_mean"] = float(values.mean())
@@ -363,14 +376,29 @@ def test_rl_losses_with_kl_and_entropy_equal_full_batch_reference(results, world
     assert checked == expected
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_gspo_means_taken_per_cp_share_are_rejected(results, world):
+    """The check above has teeth for sequence ratios: GSPO whose sequence means leave out the
+    other CP shares' tokens differs from the reference on every CP layout it runs on."""
+    mutants = {k[len("mutant/") :]: v for k, v in results[world].items() if k.startswith("mutant/")}
+    expected = {rl_layout_name(layout) for layout in lc.RL_LAYOUTS if layout in lc.layouts(world) and layout[2] > 1}
+    assert {key.split("/")[0] for key in mutants} == expected
+    for key, entry in mutants.items():
+        with pytest.raises(AssertionError):
+            check_rl_entry(key, entry)
+
+
 def test_rl_data_exercises_every_clip_and_term():
     """The premise of the RL cases: clips bind on both sides (and the dual clip), groups differ in size."""
     for loss_fn in lc.RL_LOSS_FNS:
         logged = rl_reference(loss_fn, "token_mean", 0, 1).logged
         for tag, value in logged.items():
-            if tag.startswith("rl/clipfrac"):
+            if tag.startswith(("rl/clipfrac", "rl/gspo/clipfrac")):
                 assert 0.02 < value < 0.9, (loss_fn, tag, value)
-        assert logged["rl/ratio_min"] < 0.7 and logged["rl/ratio_max"] > 1.5, loss_fn
+        if loss_fn == "gspo":  # sequence ratios: means of many tokens' log-ratios
+            assert logged["rl/ratio_min"] < 0.98 and logged["rl/ratio_max"] > 1.03, loss_fn
+        else:
+            assert logged["rl/ratio_min"] < 0.7 and logged["rl/ratio_max"] > 1.5, loss_fn
         assert logged["rl/kl"] > 0.01 and logged["rl/entropy"] > 1.0
     sizes = [lc.RL_GROUPS.count(g) for g in set(lc.RL_GROUPS)]
     assert len(set(sizes)) > 1

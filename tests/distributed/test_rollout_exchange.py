@@ -2,7 +2,11 @@
 all end with the same rollouts; data-parallel ranks hold disjoint prompts that together are the
 step; and every rollout equals what one process generates (the layout changes nothing). Then
 DP compute balancing: each data-parallel rank trains exactly the samples the cost plan gives it,
-unchanged by the trip, and its CP / TP peers the same ones."""
+unchanged by the trip, and its CP / TP peers the same ones. Dynamic sampling: every layout keeps
+the same problems with signal, in the same order, as one process drawing the rounds alone, and
+each data-parallel rank trains its slots of them."""
+
+import functools
 
 import pytest
 import torch
@@ -13,14 +17,19 @@ from generator_cases import prompts
 from reference import one_thread
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import Rollout, TorchGenerator
-from torchtitan_rl.rl.rollouts import plan_dp_balance, rank_prompt_slots, score_groups, to_samples
+from torchtitan_rl.rl.rollouts import PromptStream, plan_dp_balance, rank_prompt_slots, score_groups, to_samples
 
 
-def single_process_rollouts() -> dict:
+def reference_generator() -> TorchGenerator:
     model = Qwen3Model(lc.model_args(False))
     model.init_weights(lc.SEED)  # what build_model gives every layout (test_layout_invariance checks)
     generator = TorchGenerator(lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=1)
     generator.update_weights(model)
+    return generator
+
+
+def single_process_rollouts() -> dict:
+    generator = reference_generator()
     step_prompts = prompts()
     with one_thread():  # the ranks' float kernels: bitwise equality is the claim
         rollouts = generator.generate(
@@ -100,3 +109,52 @@ def test_data_parallel_ranks_train_the_balanced_split_of_each_minibatch(layout_r
     if dp > 1:
         assert moved > 0  # samples really changed rank, through the real collectives
         assert imbalance["dp_cost_imbalance"] < imbalance["dp_cost_imbalance_contiguous"]
+
+
+@functools.cache
+def single_process_dynamic_sampling() -> tuple[list[tuple], int]:
+    """Brute force of the step: one process generates each round's prompts whole (slot s of round
+    r keyed as prompt r·P + s), walks the groups in (round, slot) order and keeps those whose
+    rewards differ until it has P. Returns every (problem, completions) with signal found, and
+    the rounds drawn."""
+    generator = reference_generator()
+    pool = rl_cases.dynamic_pool()
+    num_prompts = rl_cases.PROMPTS_PER_STEP
+    stream = PromptStream(rl_cases.POOL_SIZE, num_prompts, rl_cases.STREAM_SEED)
+    found, num_rounds = [], 0
+    with one_thread():
+        while num_rounds < rl_cases.MAX_SAMPLING_ROUNDS and len(found) < num_prompts:
+            problems = stream.next_step()
+            keys = [num_rounds * num_prompts + s for s in range(num_prompts)]
+            rollouts = generator.generate(
+                [pool[p] for p in problems], keys, rl_cases.NUM_SAMPLES, rl_cases.PARAMS, rl_cases.SEED, rl_cases.STEP
+            )
+            for slot, problem in enumerate(problems):
+                group = rollouts[slot * rl_cases.NUM_SAMPLES : (slot + 1) * rl_cases.NUM_SAMPLES]
+                if len({rl_cases.signal_reward(r).total for r in group}) > 1:
+                    found.append((problem, [r.completion_tokens for r in group]))
+            num_rounds += 1
+    return found, num_rounds
+
+
+@pytest.mark.parametrize("layout", rl_cases.DYNAMIC_SAMPLING_LAYOUTS)
+def test_dynamic_sampling_keeps_the_same_groups_with_signal_on_every_layout(layout_results, layout):
+    found, num_rounds = single_process_dynamic_sampling()
+    num_prompts = rl_cases.PROMPTS_PER_STEP
+    kept = found[:num_prompts]
+    # The case is worth checking: a later round was needed and some groups had no signal.
+    assert num_rounds > 1 and len(found) < num_rounds * num_prompts
+    world = layout[0] * layout[1] * layout[2] * layout[3]
+    ranks = layout_results[world][rl_cases.dynamic_sampling_key(*layout)]
+    dp = layout[0] * layout[1]
+    trained_by_batch_rank: dict[int, list] = {}
+    for rank in ranks:
+        assert rank["kept_problems"] == [problem for problem, _ in kept]
+        assert (rank["num_rounds"], rank["num_with_signal"]) == (num_rounds, len(found))
+        own = rank_prompt_slots(num_prompts, rl_cases.NUM_MINIBATCHES, rank["batch_rank"], dp)
+        assert [slot for slot, *_ in rank["trained"]] == [s for mb in own for s in mb if s < len(kept)]
+        for slot, problem, completions in rank["trained"]:
+            assert (problem, completions) == kept[slot], (rank["batch_rank"], slot)
+        # CP / TP peers of a data-parallel rank train the same groups.
+        assert trained_by_batch_rank.setdefault(rank["batch_rank"], rank["trained"]) == rank["trained"]
+    assert sorted(slot for trained in trained_by_batch_rank.values() for slot, *_ in trained) == list(range(len(kept)))

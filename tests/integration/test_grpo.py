@@ -1,12 +1,14 @@
 """The GRPO recipe end to end through ``train.py`` (gloo ranks on CPU).
 
 - Layout invariance of whole RL steps, KL and entropy on, two mini-batches per rollout batch
-  (so pi_old is recomputed): 1 rank, dp=2 and dp=2 x tp=2 (DP compute balancing on, the
+  (so pi_prox is recomputed), sequence-level IcePop correction on: 1 rank, dp=2 and dp=2 x tp=2 (DP compute balancing on, the
   default) and dp=2 with balancing off give the same rewards, losses, KL, entropy and grad
   norms (1e-4), compared with ``scripts/loss_compare.py``; balancing logs a lower
   ``data/dp_cost_imbalance`` than the ranks' own prompt shares.
-- The embedded recipe learns: on 2 ranks the mean reward of its last steps exceeds that of its
-  first steps by a margin calibrated from longer runs (docs/benchmarks/grpo.md).
+- The embedded recipe learns with a bf16 sampler and TIS rollout correction (two mini-batches
+  per step): on 2 ranks the mean reward of its last steps exceeds that of its first steps by a
+  margin calibrated from longer runs (docs/benchmarks/grpo.md, docs/benchmarks/rollout_correction.md),
+  and the correction has a real mismatch to correct.
 - Resume: a run restarted from its mid-run checkpoint logs exactly the uninterrupted run's
   numbers.
 """
@@ -33,9 +35,15 @@ LAYOUT_STEPS = 3
 # warm-up per layout would already differ by float rounding, which 40 Adam steps amplify).
 # max_prompts_per_batch 2 divides every rank's generation share in every layout below, so
 # rollouts are bitwise the same.
+# Sequence-level IcePop weights on: the recomputed proximal log-probs, the weights and their
+# metrics must not depend on the layout either. The sampler stays float32: a bf16 replica
+# rounds the synced weights to bf16, which turns the trainers' float-rounding differences into
+# 1e-3 log-prob differences from the second step on (measured), a sampler effect the 1e-4
+# comparison cannot absorb. The engine's layout test covers non-trivial weights.
 LAYOUT_OPTIONS = (
     "--rl.sft_warmup_steps 0 --loss.kl_coef 0.05 --rl.use_reference true --loss.entropy_coef 0.01 "
-    "--rl.num_minibatches 2 --generation.max_prompts_per_batch 2 --rl.eval_interval 0"
+    "--rl.num_minibatches 2 --generation.max_prompts_per_batch 2 --rl.eval_interval 0 "
+    "--generation.dtype float32 --rl.rollout_correction icepop --rl.rollout_correction_level sequence"
 )
 SFT_STEPS = 60
 LAYOUT_TAGS = (
@@ -46,6 +54,8 @@ LAYOUT_TAGS = (
     "rl/entropy",
     "rl/response_length_mean",
     "rl/ratio_max",
+    "rl/rollout_corr/weight_mean",
+    "rl/rollout_corr/masked_fraction_seq",
 )
 
 
@@ -131,6 +141,7 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
     # reference, and several ranks really ran.
     assert max(baseline["rl/groups_mixed"].values()) > 0
     assert min(baseline["grad_norm"].values()) > 0 and max(baseline["rl/kl"].values()) > 0
+    assert "rl/rollout_corr/kl_k3" in baseline  # the correction ran
     assert "on 4 rank(s)" in layout_runs["tp_log"]
 
 
@@ -171,8 +182,14 @@ EXACT_TAGS = (
 )
 
 
+# A real sampler/trainer mismatch, corrected: the bf16 sampler against the float32 trainer, TIS
+# weights from the proximal log-probs that two mini-batches per step recompute anyway.
+CORRECTION = ("--generation.dtype", "bfloat16", "--rl.rollout_correction", "tis", "--rl.num_minibatches", "2")
+
+
 def run(dump: Path, *extra: str) -> str:
-    """The embedded recipe as it is (60 steps), evaluating and checkpointing at steps 30 and 60."""
+    """The embedded recipe (60 steps) with ``CORRECTION``, evaluating and checkpointing at steps
+    30 and 60."""
     cmd = [
         sys.executable,
         "-m",
@@ -190,6 +207,7 @@ def run(dump: Path, *extra: str) -> str:
         str(INTERVAL),
         "--job.dump_folder",
         str(dump),
+        *CORRECTION,
         *extra,
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
@@ -206,11 +224,15 @@ def uninterrupted(tmp_path_factory) -> Path:
     return dump
 
 
-def test_embedded_recipe_reward_rises(uninterrupted):
-    reward = read_scalars(str(uninterrupted / "tb"))["rl/reward_mean"]
+def test_embedded_recipe_reward_rises_with_a_corrected_bf16_sampler(uninterrupted):
+    scalars = read_scalars(str(uninterrupted / "tb"))
+    reward = scalars["rl/reward_mean"]
     first = sum(reward[s] for s in range(1, 6)) / 5
     last = sum(reward[s] for s in range(STEPS - 4, STEPS + 1)) / 5
     assert last > first + MARGIN, (first, last, reward)
+    # The mismatch is real and corrected: KL(behaviour || proximal) > 0 and weights != 1 every step.
+    assert all(value > 0 for value in scalars["rl/rollout_corr/kl_k3"].values())
+    assert all(value != 1.0 for value in scalars["rl/rollout_corr/weight_mean"].values())
 
 
 def test_resume_reproduces_the_uninterrupted_run_exactly(uninterrupted, tmp_path):

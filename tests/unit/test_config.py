@@ -488,6 +488,10 @@ def test_resolved_config_round_trip(tmp_path):
         "ppo",
         "--loss.dual_clip_c",
         "3",
+        "--loss.clip_low",
+        "0.2",
+        "--loss.clip_high",
+        "0.28",
         "--metrics.enable_tensorboard",
         "false",
         "--optimizer.eps",
@@ -502,7 +506,7 @@ def test_resolved_config_round_trip(tmp_path):
 
     with open(out, "rb") as f:
         on_disk = tomllib.load(f)
-    assert on_disk == config_to_dict(cfg)  # horizon and dual_clip_c are set, so nothing is left out
+    assert on_disk == config_to_dict(cfg)  # horizon, dual_clip_c and the clip bounds are set: nothing is left out
 
     reloaded = parse("--job.config_file", out)
     # config_file names the file actually loaded; everything else comes back unchanged.

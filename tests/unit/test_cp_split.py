@@ -80,6 +80,8 @@ def _sample(n: int, loss_from: int, seed: int) -> Sample:
         loss_mask=torch.arange(n) >= loss_from,
         advantages=torch.randn(n, generator=gen),
         sampler_logprobs=-torch.rand(n, generator=gen),
+        prox_logprobs=-torch.rand(n, generator=gen),
+        rollout_weights=torch.rand(n, generator=gen),
         ref_logprobs=-torch.rand(n, generator=gen),
         group_id=seed // 2,
     )
@@ -91,7 +93,7 @@ def test_shard_microbatch_moves_every_field_with_one_index(cp, tp):
     mb = pack(samples, inputs=OPTIONAL_INPUTS)
     layout = microbatch_layout(mb, cp, tp)
     shards = [shard_microbatch(mb, cp, r, tp) for r in range(cp)]
-    assert set(mb.token_fields()) == set(TOKEN_FIELDS) - {"vision_index"}
+    assert set(mb.token_fields()) == set(TOKEN_FIELDS) - {"vision_index", "seq_log_ratio"}
     for name in (*mb.token_fields(), "positions", "seq_ids"):
         restored = layout.gather([getattr(s, name) for s in shards])
         assert torch.equal(restored, getattr(mb, name)), name

@@ -335,6 +335,84 @@ def rl_samples(raw, seed: int = 0):
     return samples
 
 
+def test_gspo_gradient_is_the_sequence_ratio_gradient():
+    """GSPO against its published objective in fp64, written with the true sequence function
+    s_i = exp(mean_t(logp_t − logp_old,t)) (sequence advantages, as GRPO's): for every
+    micro-batching and logits chunk, the engine's straight-through tokens give ∇ of
+    (1/B) Σ_i −min(s_i A_i, clip(s_i) A_i)."""
+    args = dataclasses.replace(ARGS, attn_backend="sdpa_varlen")
+    raw = random_raw(12, num=8)
+    samples = rl_samples(raw, seed=3)
+    for i, s in enumerate(samples):
+        s.advantages = torch.full((len(s),), [0.9, -1.2, 0.4, -0.3, 1.5, -0.8, 0.2, -1.0][i])
+    config = {"clip_low": 0.2, "clip_high": 0.3, "proximal_logprobs": True}
+    for s in samples:
+        s.prox_logprobs = s.sampler_logprobs.flip(0)
+    reference = make_engine(reduction="sequence_mean", args=args).model.double()
+    clipped, objective = 0, []
+    for sample in samples:
+        m = sample.loss_mask.double()
+        if not m.any():
+            continue
+        n = len(sample)
+        logits = reference.output(reference(sample.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long)))
+        logp = logits.log_softmax(-1).gather(1, sample.labels[:, None])[:, 0]
+        s_i = torch.exp(((logp - sample.prox_logprobs.double()) * m).sum() / m.sum())
+        a = float(sample.advantages[0])
+        s_value = float(s_i.detach())
+        clipped += (a > 0 and s_value > 1 + config["clip_high"]) or (a < 0 and s_value < 1 - config["clip_low"])
+        objective.append(torch.minimum(s_i * a, s_i.clamp(1 - config["clip_low"], 1 + config["clip_high"]) * a))
+    expected_loss = -torch.stack(objective).mean()
+    expected = torch.autograd.grad(expected_loss, list(reference.parameters()))
+    assert 0 < clipped < len(objective)  # sequences whose clip binds, and others
+    for max_tokens, chunk in ((0, 5), (12, 3), (10, 64)):
+        engine = make_engine(reduction="sequence_mean", max_tokens=max_tokens, chunk=chunk, args=args)
+        metrics = engine.forward_backward(samples, "gspo", config)
+        torch.testing.assert_close(metrics.loss.double(), expected_loss.detach(), rtol=1e-5, atol=1e-7)
+        for got, want in zip(grads_of(engine.model), expected):
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_decoupled_ppo_with_proximal_equal_to_behaviour_is_todays_ppo_bit_for_bit():
+    samples = rl_samples(random_raw(13))
+    config = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1, "entropy_coef": 0.01}
+    today = make_engine(max_tokens=12)
+    today_metrics = today.forward_backward(samples, "ppo", config)
+    for s in samples:
+        s.prox_logprobs = s.sampler_logprobs.clone()
+        s.rollout_weights = torch.ones(len(s))
+    decoupled = make_engine(max_tokens=12)
+    decoupled_metrics = decoupled.forward_backward(
+        samples, "ppo", {**config, "proximal_logprobs": True, "rollout_weights": True}
+    )
+    assert torch.equal(decoupled_metrics.loss, today_metrics.loss)
+    for a, b in zip(grads_of(decoupled.model), grads_of(today.model)):
+        assert torch.equal(a, b)
+
+
+def test_rollout_weights_scale_each_tokens_policy_term():
+    """Weights w_t multiply ℓ^pg_t: the gradient of Σ_t (token weight)·w_t·ℓ^pg_t, by brute force."""
+    raw = random_raw(14)
+    samples = rl_samples(raw)
+    gen = torch.Generator().manual_seed(5)
+    for s in samples:
+        s.rollout_weights = torch.where(
+            torch.rand(len(s), generator=gen) < 0.3, 0.0, 2 * torch.rand(len(s), generator=gen)
+        )
+    engine = make_engine(max_tokens=12)
+    engine.forward_backward(samples, "importance_sampling", {"rollout_weights": True})
+    model = engine.model
+    num_loss_tokens = sum(int(s.loss_mask.sum()) for s in samples)
+    total = 0.0
+    for s in samples:
+        n = len(s)
+        logp = model.output(model(s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))).log_softmax(-1)
+        logp = logp.gather(1, s.labels[:, None])[:, 0]
+        ratio = torch.exp(logp - s.sampler_logprobs)
+        total = total + (-ratio * s.advantages * s.rollout_weights * s.loss_mask).sum() / num_loss_tokens
+    assert_grads_close(grads_of(model), torch.autograd.grad(total, list(model.parameters())))
+
+
 def test_rl_step_with_entropy_never_holds_all_logits():
     """ppo + KL + entropy bonus: logits (and their softmax) exist one token chunk at a time."""
     args = dataclasses.replace(ARGS, vocab_size=4096)

@@ -170,6 +170,28 @@ def test_sampler_logprobs_equal_engine_forward(temperature, top_k, top_p):
         torch.testing.assert_close(torch.tensor(r.logprobs), completion, rtol=0, atol=1e-5)
 
 
+def test_a_bfloat16_replica_on_cpu_samples_with_its_own_numerics():
+    """generation.dtype = "bfloat16" on the CPU: the replica's weights and cache are bf16, its
+    log-probs are those of the bf16 model (the hand-written loop in bf16) and differ from the
+    float32 trainer's by a small, real mismatch that the rollout correction has to handle (a
+    float32 replica matches the trainer to 1e-5, see above)."""
+    model = noisy_model()
+    gen = generator_for(model, dtype=torch.bfloat16)
+    assert {p.dtype for p in gen.model.parameters()} == {torch.bfloat16}
+    rollouts = generate(gen, num_samples=1, max_new_tokens=6, temperature=0.0)
+    bf16_model = noisy_model().to(torch.bfloat16)
+    gaps = []
+    for r in rollouts:
+        tokens = list(r.prompt_tokens)
+        for token, logprob in zip(r.completion_tokens, r.logprobs):
+            expected = last_logits(bf16_model, tokens).log_softmax(-1)
+            # bf16 rounds differently with and without the KV cache: close, not equal.
+            assert logprob == pytest.approx(float(expected[token]), abs=0.1)
+            gaps.append(abs(logprob - float(last_logits(model, tokens).log_softmax(-1)[token])))
+            tokens.append(token)
+    assert 1e-4 < max(gaps) < 0.5
+
+
 # ---------------------------------------------------------------- batch independence
 
 

@@ -224,7 +224,7 @@ def test_loss_metrics_are_sums_over_loss_tokens_only():
     lo, hi = 0.8, 1.2
     expected = {
         "rl/pg_loss": mean([brute_policy("ppo", x[t], q[t], adv[t], loss.options)[0] for t in keep]),
-        "rl/kl": mean([brute_kl("k3", x[t], ref[t])[0] for t in keep]),
+        "rl/kl": mean([brute_kl("low_var_kl", x[t], ref[t])[0] for t in keep]),  # the default estimator
         "rl/entropy": mean([entropy[t] for t in keep]),
         "rl/ratio_mean": mean(ratio),
         "rl/ratio_min": min(ratio),
@@ -232,6 +232,7 @@ def test_loss_metrics_are_sums_over_loss_tokens_only():
         "rl/logprob_diff_mean": mean([abs(x[t] - q[t]) for t in keep]),
         "rl/logprob_diff_max": max(abs(x[t] - q[t]) for t in keep),
         "rl/advantage_mean": mean([adv[t] for t in keep]),
+        "rl/ppo_kl": mean([q[t] - x[t] for t in keep]),
         "rl/clipfrac_low": mean([float(adv[t] < 0 and r < lo) for t, r in zip(keep, ratio)]),
         "rl/clipfrac_high": mean([float(adv[t] > 0 and r > hi) for t, r in zip(keep, ratio)]),
         "rl/clipfrac_dual": mean([float(adv[t] < 0 and r > 2.0) for t, r in zip(keep, ratio)]),
@@ -294,14 +295,20 @@ def test_registry_matches_config_choices():
     assert typing.get_args(hints["loss_fn"]) == tuple(LOSS_FNS)
     assert typing.get_args(hints["kl_estimator"]) == KL_ESTIMATORS
     assert Loss().kl_estimator == resolve_loss_fn("cross_entropy").options["kl_estimator"]
+    # Unset (None) options take each loss function's default.
     for key in ("clip_low", "clip_high", "dual_clip_c"):
-        assert getattr(Loss(), key) == resolve_loss_fn("ppo").options[key]
+        assert getattr(Loss(), key) is None
+    assert resolve_loss_fn("ppo", {"clip_low": None}).options["clip_low"] == 0.2
 
 
 @pytest.mark.parametrize(
     "name, config, message",
     [
-        ("nope", {}, r"unknown loss_fn 'nope'; valid loss functions: cross_entropy, importance_sampling, ppo, cispo"),
+        (
+            "nope",
+            {},
+            r"unknown loss_fn 'nope'; valid loss functions: cross_entropy, importance_sampling, ppo, cispo, gspo",
+        ),
         (
             "cross_entropy",
             {"clip_low": 0.2},
@@ -353,7 +360,14 @@ def test_config_section_fails_closed():
         "kl_coef": 0.1,
         "kl_estimator": "k2",
         "entropy_coef": 0.0,
+        "proximal_logprobs": False,
+        "rollout_weights": False,
     }
+    # Unset clip bounds are each loss function's own: GSPO's are the paper's.
+    gspo = loss_fn_from_config(Loss(loss_fn="gspo"))
+    assert (gspo.options["clip_low"], gspo.options["clip_high"]) == (3e-4, 4e-4)
+    with pytest.raises(ValueError, match=r"loss_fn_config.rollout_weights: loss_fn 'cross_entropy' has no ratio"):
+        resolve_loss_fn("cross_entropy", {"rollout_weights": True})
 
 
 @pytest.mark.parametrize(

@@ -294,20 +294,24 @@ class Loss:
     """Tokens per chunk of the output head and loss: at most this many tokens' logits exist at
     once. Each chunk's gradient is taken during the forward pass, so nothing is recomputed."""
 
-    loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo"] = "cross_entropy"
-    """Per-token policy term, with A the advantage and r = p_theta / p_sampler:
+    loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"] = "cross_entropy"
+    """Per-token policy term, with A the advantage and r = p_theta / p_old (p_old: the
+    sampler's, or the proximal policy's when the RL recipe recomputes it):
     cross_entropy: -log p_theta (SFT).
     importance_sampling: -r*A.
     ppo: max(-r*A, -clip(r, 1-clip_low, 1+clip_high)*A), optionally dual-clipped.
     cispo: -stopgrad(clip(r, 1-clip_low, 1+clip_high))*A*log p_theta.
-    The last three need advantages and sampler log-probs (RL recipes)."""
+    gspo: ppo's form on the sequence ratio s = exp(mean over the sequence's loss tokens of
+    log r), clipped per sequence (GSPO; use loss.reduction = "sequence_mean" for the paper's
+    objective). All but cross_entropy need advantages and sampler log-probs (RL recipes)."""
 
-    clip_low: float = 0.2
-    """ppo / cispo: the ratio's lower clip bound is 1 - clip_low; in [0, 1)."""
+    clip_low: float | None = None
+    """ppo / cispo / gspo: the ratio's lower clip bound is 1 - clip_low; in [0, 1). None: the
+    loss function's default, 0.2 (ppo, cispo) or 3e-4 (gspo, the GSPO paper's)."""
 
-    clip_high: float = 0.2
-    """ppo / cispo: the ratio's upper clip bound is 1 + clip_high; >= 0 (DAPO's clip-higher
-    uses e.g. 0.28)."""
+    clip_high: float | None = None
+    """ppo / cispo / gspo: the ratio's upper clip bound is 1 + clip_high; >= 0. None: 0.2
+    (ppo, cispo; DAPO's clip-higher uses e.g. 0.28) or 4e-4 (gspo)."""
 
     dual_clip_c: float | None = None
     """ppo: dual clip for negative advantages, the loss never exceeds -dual_clip_c * A; > 1.
@@ -317,9 +321,10 @@ class Loss:
     """Coefficient of the KL penalty to the reference policy (per token, weighted like the
     policy term); >= 0. Needs reference log-probs (RL recipes)."""
 
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "k3"
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator, with d = log p_theta - log p_ref: k1 = d, k2 = d^2/2,
-    k3 = exp(-d) - 1 + d, low_var_kl = min(k3, 10) (verl)."""
+    k3 = exp(-d) - 1 + d (unclamped: up to ~5e8 per token when p_theta << p_ref),
+    low_var_kl = min(k3, 10), the default: what verl and SkyRL call k3."""
 
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus: the loss gets -entropy_coef * H_t per token
@@ -410,8 +415,27 @@ class RL:
     """Passes over each rollout batch."""
 
     num_minibatches: int = bounded(1, ge=1)
-    """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1)
-    the policy's log-probs before the update are recomputed (pi_old) for the ratio."""
+    """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1, or
+    a rollout correction) the policy's log-probs before the update are recomputed (the proximal
+    policy pi_prox) and are the ratio's denominator (decoupled PPO); the sampler's log-probs are
+    kept apart for the correction."""
+
+    rollout_correction: Literal["none", "tis", "mis", "icepop", "geo_mask"] = "none"
+    """Weight of each token's policy term for the sampler/trainer mismatch, with
+    rho = pi_prox / pi_sampler (per token, or the sequence's product, see
+    rl.rollout_correction_level): tis: min(rho, max). mis: rho where rho <= max, else 0.
+    icepop: rho where min <= rho <= max, else 0. geo_mask: 1 where the sequence's geometric
+    mean ratio is in [min, max], else 0 (always per sequence). none: 1. A weight of 0 masks
+    the token (it still counts in the reduction). Recomputes pi_prox every step."""
+
+    rollout_correction_level: Literal["token", "sequence"] = "token"
+    """Whether rho is each token's ratio or its sequence's product of ratios (tis, mis, icepop)."""
+
+    rollout_correction_max: float = bounded(2.0, gt=0)
+    """The cap C of tis and the upper bound of mis, icepop and geo_mask."""
+
+    rollout_correction_min: float = bounded(0.5, ge=0)
+    """The lower bound of icepop and geo_mask (below max)."""
 
     use_reference: bool = False
     """Keep a frozen copy of the starting policy (FSDP-sharded like it) for the KL penalty
@@ -437,6 +461,33 @@ class RL:
     sft_warmup_lr: float = bounded(3e-3, gt=0)
     """Learning rate of the SFT warm-up (its own AdamW, discarded before RL)."""
 
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: after the step's rl.prompts_per_step prompts, draw further rounds
+    of as many prompts from the stream until the step has rl.prompts_per_step groups with
+    signal (rewards not all equal), at most rl.max_sampling_rounds rounds, and train the first
+    ones found (in round, then prompt order). Implies rl.filter_zero_variance_groups (do not set
+    both). The rollout metrics (rl/reward_mean, rl/pass@1, rl/groups_*, rl/filtered_groups, ...)
+    cover every group generated in the step; rl/dynamic_sampling/rounds counts the rounds drawn
+    and rl/dynamic_sampling/groups_with_signal the groups with signal they found."""
+
+    max_sampling_rounds: int = bounded(3, ge=1)
+    """Most rounds of rl.dynamic_sampling per step. When they find fewer groups with signal than
+    rl.prompts_per_step, the step trains on those (a warning is logged)."""
+
+    overlong_buffer: int = bounded(0, ge=0)
+    """DAPO overlong reward shaping; 0 disables. With L = generation.max_new_tokens and B this
+    buffer (below L), a completion of n tokens (stop token included) longer than L - B loses
+    rl.overlong_penalty * (n - (L - B)) / B of reward before the advantages. Logged:
+    rl/overlong/penalized (fraction of rollouts penalized) and rl/reward_overlong (mean penalty)."""
+
+    overlong_penalty: float = bounded(1.0, ge=0)
+    """The reward a completion of generation.max_new_tokens tokens loses under rl.overlong_buffer."""
+
+    mask_truncated: bool = False
+    """Completions cut at generation.max_new_tokens carry no loss tokens; their rewards still
+    enter their group's advantage baseline. rl/masked_truncated counts the trained rollouts
+    masked in the step."""
+
 
 @dataclass
 class Generation:
@@ -460,7 +511,9 @@ class Generation:
     """Special tokens that end a completion (kept in it, and in the loss)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the generator's replica of the policy (CPU always uses float32)."""
+    """Dtype of the generator's replica of the policy, on CPU as on CUDA. bfloat16 samples with
+    other numerics than the float32 trainer: the sampler/trainer mismatch that
+    rl.rollout_correction corrects (rl/sampler_logprob_diff_*, rl/rollout_corr/kl_*)."""
 
     seed: int = 0
     """Seed of the rollouts: each completion's randomness depends only on (seed, step, prompt,

@@ -15,7 +15,7 @@ import dataclasses
 # model.flavor value that takes the architecture from a Hugging Face config.json.
 HF_FLAVOR = "hf"
 # Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
-RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo")
+RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo", "gspo")
 # SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
 _SFT_DATA_KEYS = (
     "dataset",
@@ -222,6 +222,42 @@ def _check_recipe(cfg) -> None:
         raise ValueError(
             f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
         )
+    _check_rollout_correction(rl)
+    _check_dapo(rl, generation)
+
+
+def _check_rollout_correction(rl) -> None:
+    defaults = type(rl)()
+    if rl.rollout_correction == "none":
+        for key in ("rollout_correction_level", "rollout_correction_max", "rollout_correction_min"):
+            if getattr(rl, key) != getattr(defaults, key):
+                raise ValueError(f"rl.{key}: only used with rl.rollout_correction other than 'none'")
+        return
+    if rl.rollout_correction == "geo_mask" and rl.rollout_correction_level != defaults.rollout_correction_level:
+        raise ValueError("rl.rollout_correction_level: geo_mask always works per sequence")
+    if not rl.rollout_correction_min < rl.rollout_correction_max:
+        raise ValueError(
+            f"rl.rollout_correction_min={rl.rollout_correction_min} must be below "
+            f"rl.rollout_correction_max={rl.rollout_correction_max}"
+        )
+
+
+def _check_dapo(rl, generation) -> None:
+    defaults = type(rl)()
+    if not rl.dynamic_sampling and rl.max_sampling_rounds != defaults.max_sampling_rounds:
+        raise ValueError("rl.max_sampling_rounds: only used with rl.dynamic_sampling = true")
+    if rl.dynamic_sampling and rl.filter_zero_variance_groups:
+        raise ValueError(
+            "rl.filter_zero_variance_groups: implied by rl.dynamic_sampling, which trains only groups with "
+            "signal; remove the key"
+        )
+    if rl.overlong_buffer >= generation.max_new_tokens:
+        raise ValueError(
+            f"rl.overlong_buffer={rl.overlong_buffer} must be below generation.max_new_tokens="
+            f"{generation.max_new_tokens}: the penalty grows over the last overlong_buffer tokens of a completion"
+        )
+    if not rl.overlong_buffer and rl.overlong_penalty != defaults.overlong_penalty:
+        raise ValueError("rl.overlong_penalty: only used with rl.overlong_buffer > 0")
 
 
 def _check_compile(cfg) -> None:

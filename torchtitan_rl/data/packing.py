@@ -62,6 +62,8 @@ class MicroBatch:
     # unless the loss asked for them. Zero on padding.
     advantages: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
+    prox_logprobs: torch.Tensor | None = None
+    rollout_weights: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     # Vision-language micro-batches: per token the row of the micro-batch's vision features
@@ -69,6 +71,9 @@ class MicroBatch:
     # (``SampleImage`` layout, images in order) and patch grids. Exactly one dummy image
     # when no sample has one. None / () for text models.
     vision_index: torch.Tensor | None = None
+    # Set by the engine on a device-resident share for a loss with sequence ratios (GSPO):
+    # each token's sequence-mean log-ratio over the whole sequence (every CP share), detached.
+    seq_log_ratio: torch.Tensor | None = None
     image_patches: torch.Tensor | None = None
     image_grids: tuple[tuple[int, int], ...] = ()
     num_images: int = 0  # real images (the dummy is not counted)
@@ -112,7 +117,7 @@ class MicroBatch:
         )
 
 
-# Every per-token tensor of a micro-batch that comes from the samples: one list, so packing,
+# Every per-token tensor of a micro-batch (from the samples, and the engine's seq_log_ratio): one list, so packing,
 # the CP split and device moves treat labels and RL inputs alike.
 TOKEN_FIELDS = (
     "input_ids",
@@ -122,6 +127,7 @@ TOKEN_FIELDS = (
     *RL_TOKEN_INPUTS,
     "group_ids",
     "vision_index",
+    "seq_log_ratio",
 )
 _ALWAYS = TOKEN_FIELDS[:4]
 # The value padding tokens carry, where it is not 0.

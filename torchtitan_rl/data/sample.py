@@ -7,7 +7,7 @@ import torch
 
 # Optional per-token RL inputs of a sample, each aligned with ``labels`` (value t belongs to
 # the prediction of labels[t]), float32.
-RL_TOKEN_INPUTS = ("advantages", "sampler_logprobs", "ref_logprobs")
+RL_TOKEN_INPUTS = ("advantages", "sampler_logprobs", "prox_logprobs", "rollout_weights", "ref_logprobs")
 # Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
 # not a log-probability (e.g. probabilities or logits passed by mistake).
 _MAX_LOGPROB = math.log1p(1e-2)
@@ -40,9 +40,12 @@ class Sample:
     another sequence once samples are packed together.
 
     RL samples (Tinker's ``Datum``) also carry, aligned with ``labels``: ``advantages``,
-    ``sampler_logprobs`` (log-probs of the policy that sampled the tokens, "old") and
-    ``ref_logprobs`` (a frozen reference policy), and the index ``group_id`` of their prompt
-    group in the mini-batch. All travel with the labels through packing and every split.
+    ``sampler_logprobs`` (log-probs of the policy that sampled the tokens: the behaviour
+    policy, never overwritten), ``prox_logprobs`` (the proximal policy's, recomputed by the
+    trainer before an update when the recipe needs them), ``rollout_weights`` (each token's
+    rollout-correction weight, >= 0) and ``ref_logprobs`` (a frozen reference policy), and the
+    index ``group_id`` of their prompt group in the mini-batch. All travel with the labels
+    through packing and every split.
 
     Every tensor of a sample lives on the CPU: planning, packing and the context-parallel split
     run on the host, and the engine moves whole micro-batches to the device.
@@ -53,6 +56,8 @@ class Sample:
     loss_mask: torch.Tensor  # [n] bool
     advantages: torch.Tensor | None = None  # [n] float
     sampler_logprobs: torch.Tensor | None = None  # [n] float
+    prox_logprobs: torch.Tensor | None = None  # [n] float
+    rollout_weights: torch.Tensor | None = None  # [n] float
     ref_logprobs: torch.Tensor | None = None  # [n] float
     group_id: int | None = None
     # Vision-language samples: the sample's images in order, and per input token the row of
@@ -111,6 +116,9 @@ def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | 
             if not bool(finite.all()):
                 t = int((~finite).nonzero()[0])
                 return f"{where}: {name}[{t}] = {float(value[t])} is not finite (use 0 where the loss mask is 0)"
+            if name == "rollout_weights" and float(value.min()) < 0:
+                t = int(value.argmin())
+                return f"{where}: rollout_weights[{t}] = {float(value[t]):.4g} is negative (a weight is >= 0; 0 masks)"
             if name.endswith("logprobs") and float(value.max()) > _MAX_LOGPROB:
                 t = int(value.argmax())
                 return f"{where}: {name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"

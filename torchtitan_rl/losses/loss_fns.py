@@ -12,7 +12,7 @@ same ``w_t``: each is normalized exactly like the others, for any parallel layou
 scales only the advantages, which leaves its KL a per-micro-batch sequence mean and its
 entropy a per-micro-batch token mean.)
 
-Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_sampler)`` and
+Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_old)`` and
 ``clip(r) = clamp(r, 1 − clip_low, 1 + clip_high)``:
 
 | loss_fn               | ℓ^pg_t                                                         |
@@ -21,9 +21,22 @@ Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_sampler)`` an
 | `importance_sampling` | −r·A                                                           |
 | `ppo`                 | max(−r·A, −clip(r)·A); with `dual_clip_c` = c, at most −c·A where A < 0 |
 | `cispo`               | −sg(clip(r))·A·logp_θ  (sg: no gradient through the weight)    |
+| `gspo`                | max(−s·A, −clip(s)·A), s = sg(s_i)·exp(logp_θ − sg(logp_θ))   |
+
+``logp_old`` is the sampler's log-prob (behaviour policy), or with the recipe option
+``proximal_logprobs`` the proximal policy's, recomputed before the update (decoupled PPO).
+With ``rollout_weights`` every policy term is multiplied by the token's rollout-correction
+weight (``rl/rollout_correction.py``; no gradient through it, 0 masks the token).
+
+GSPO's ratio belongs to a whole sequence: ``s_i = exp(mean of logp_θ − logp_old over the
+sequence's loss tokens)``, computed by the engine before the loss over every token of the
+sequence, whichever CP rank or logits chunk holds it (``Engine``'s sequence pass). Each token
+carries ``s_i`` in value and the gradient of its own log-prob (straight-through), so with
+``loss.reduction = "sequence_mean"`` the gradient is GSPO's ``∇ s_i = s_i · mean_t ∇logp_θ``;
+the clip zeroes the gradient of a whole sequence.
 
 KL estimators, with ``Δ = logp_θ − logp_ref``: ``k1`` = Δ, ``k2`` = Δ²/2, ``k3`` =
-exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (verl's name and clamp).
+exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (the default; verl's and SkyRL's ``k3``).
 """
 
 from collections.abc import Callable
@@ -52,18 +65,32 @@ class LossFnSpec:
     policy_term: PolicyTerm
     inputs: tuple[str, ...]  # the sample inputs it reads (data.sample.RL_TOKEN_INPUTS)
     options: dict[str, Any]  # its own loss_fn_config keys, with their defaults
+    # It reads ``mb.seq_log_ratio``, each token's sequence-mean log-ratio, which the engine
+    # computes from the current policy before the loss.
+    sequence_log_ratio: bool = False
 
 
 # Keys every loss function takes.
-SHARED_OPTIONS = {"kl_coef": 0.0, "kl_estimator": "k3", "entropy_coef": 0.0}
+SHARED_OPTIONS = {"kl_coef": 0.0, "kl_estimator": "low_var_kl", "entropy_coef": 0.0}
+# Keys an RL recipe sets from its own settings ([rl]), never read from [loss]: the ratio's
+# denominator is the recomputed proximal policy (decoupled PPO), and the policy term carries
+# each token's rollout-correction weight.
+RECIPE_OPTIONS = {"proximal_logprobs": False, "rollout_weights": False}
 _CLIP_OPTIONS = {"clip_low": 0.2, "clip_high": 0.2}
+# GSPO's sequence ratios sit much closer to 1 than token ratios: its authors' clip range.
+GSPO_CLIP_OPTIONS = {"clip_low": 3e-4, "clip_high": 4e-4}
 
 
-def _ratio(logprobs: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    return (logprobs - mb.sampler_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+def old_logprobs(mb: MicroBatch, options: dict[str, Any]) -> torch.Tensor:
+    """The ratio's denominator: the proximal policy's log-probs, or the sampler's."""
+    return mb.prox_logprobs if options["proximal_logprobs"] else mb.sampler_logprobs
 
 
-def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch) -> list[Stat]:
+def _ratio(logprobs: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> torch.Tensor:
+    return (logprobs - old_logprobs(mb, options)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+
+
+def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> list[Stat]:
     """What every loss that reads the sampler's log-probs reports."""
     ratio = ratio.detach()
     mismatch = (logprobs.detach() - mb.sampler_logprobs).abs()
@@ -73,6 +100,8 @@ def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch) 
         ("ratio_max", "max", ratio),
         ("logprob_diff_mean", "mean", mismatch),
         ("logprob_diff_max", "max", mismatch),
+        # verl's actor/ppo_kl: k1 of the ratio's old policy from the current one.
+        ("ppo_kl", "mean", old_logprobs(mb, options) - logprobs.detach()),
         ("advantage_mean", "mean", mb.advantages),
     ]
 
@@ -90,13 +119,13 @@ def _cross_entropy(logprobs, mb, options):
 
 
 def _importance_sampling(logprobs, mb, options):
-    ratio = _ratio(logprobs, mb)
-    return -ratio * mb.advantages, _sampler_stats(logprobs, ratio, mb)
+    ratio = _ratio(logprobs, mb, options)
+    return -ratio * mb.advantages, _sampler_stats(logprobs, ratio, mb, options)
 
 
 def _ppo(logprobs, mb, options):
     adv = mb.advantages
-    ratio = _ratio(logprobs, mb)
+    ratio = _ratio(logprobs, mb, options)
     lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
     loss = torch.maximum(-ratio * adv, -ratio.clamp(lower, upper) * adv)
     # The clipped branch wins (and zeroes the gradient) only on the side the advantage points to.
@@ -110,15 +139,31 @@ def _ppo(logprobs, mb, options):
         dual = (adv < 0) & (ratio > c)
         loss = torch.where(adv < 0, torch.minimum(loss, -c * adv), loss)
         stats = _clip_stats(clipped_low, clipped_high, dual) + [("clipfrac_dual", "mean", dual)]
-    return loss, stats + _sampler_stats(logprobs, ratio, mb)
+    return loss, stats + _sampler_stats(logprobs, ratio, mb, options)
 
 
 def _cispo(logprobs, mb, options):
-    ratio = _ratio(logprobs, mb)
+    ratio = _ratio(logprobs, mb, options)
     lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
     weight = ratio.clamp(lower, upper).detach()
     stats = _clip_stats(ratio < lower, ratio > upper)
-    return -weight * mb.advantages * logprobs, stats + _sampler_stats(logprobs, ratio, mb)
+    return -weight * mb.advantages * logprobs, stats + _sampler_stats(logprobs, ratio, mb, options)
+
+
+def _gspo(logprobs, mb, options):
+    adv = mb.advantages
+    # Value: the sequence's log-ratio; gradient: the token's own log-prob (straight-through).
+    log_ratio = mb.seq_log_ratio + (logprobs - logprobs.detach())
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
+    # Not sg(clip(s)): where the branches tie (s inside the bounds) maximum splits the gradient
+    # between them, and clamp passes its half through only while s is inside.
+    loss = torch.maximum(-ratio * adv, -ratio.clamp(lower, upper) * adv)
+    clipped_low = (adv < 0) & (ratio.detach() < lower)
+    clipped_high = (adv > 0) & (ratio.detach() > upper)
+    # Token fractions: a token counts as clipped when its sequence is.
+    stats = [(f"gspo/{name}", kind, values) for name, kind, values in _clip_stats(clipped_low, clipped_high)]
+    return loss, stats + _sampler_stats(logprobs, ratio, mb, options)
 
 
 _POLICY = ("advantages", "sampler_logprobs")
@@ -127,6 +172,7 @@ LOSS_FNS: dict[str, LossFnSpec] = {
     "importance_sampling": LossFnSpec(_importance_sampling, _POLICY, {}),
     "ppo": LossFnSpec(_ppo, _POLICY, {**_CLIP_OPTIONS, "dual_clip_c": None}),
     "cispo": LossFnSpec(_cispo, _POLICY, dict(_CLIP_OPTIONS)),
+    "gspo": LossFnSpec(_gspo, _POLICY, dict(GSPO_CLIP_OPTIONS), sequence_log_ratio=True),
 }
 
 
@@ -156,7 +202,14 @@ class LossFn:
     def inputs(self) -> tuple[str, ...]:
         """The sample inputs the loss reads."""
         kl = ("ref_logprobs",) if self.options["kl_coef"] > 0 else ()
-        return LOSS_FNS[self.name].inputs + kl
+        proximal = ("prox_logprobs",) if self.options["proximal_logprobs"] else ()
+        weights = ("rollout_weights",) if self.options["rollout_weights"] else ()
+        return LOSS_FNS[self.name].inputs + proximal + weights + kl
+
+    @property
+    def needs_sequence_log_ratio(self) -> bool:
+        """Whether the engine must give each token its sequence's mean log-ratio first."""
+        return LOSS_FNS[self.name].sequence_log_ratio
 
     @property
     def needs_entropy(self) -> bool:
@@ -179,10 +232,18 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
         raise ValueError(f"unknown loss_fn {name!r}; valid loss functions: {', '.join(LOSS_FNS)}")
     valid = {**LOSS_FNS[name].options, **SHARED_OPTIONS}
     options = dict(valid)
+    ratio_based = "sampler_logprobs" in LOSS_FNS[name].inputs
+    options.update(RECIPE_OPTIONS)
     for key, value in (config or {}).items():
+        if key in RECIPE_OPTIONS:
+            if value and not ratio_based:
+                raise ValueError(f"{key_prefix}{key}: loss_fn {name!r} has no ratio to an old policy")
+            options[key] = bool(value)
+            continue
         if key not in valid:
             raise ValueError(f"{key_prefix}{key}: not an option of loss_fn {name!r}; its options: {', '.join(valid)}")
-        options[key] = value
+        if value is not None or key == "dual_clip_c":
+            options[key] = value  # None elsewhere: the loss function's own default
     for key in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
         if key in options:
             options[key] = _number(key_prefix + key, options[key])
@@ -242,6 +303,8 @@ class TokenTerms:
 
 def token_terms(loss: LossFn, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: MicroBatch) -> TokenTerms:
     policy, stats = LOSS_FNS[loss.name].policy_term(logprobs, mb, loss.options)
+    if loss.options["rollout_weights"]:
+        policy = policy * mb.rollout_weights
     kl = None
     if loss.options["kl_coef"] > 0:
         kl = kl_penalty(logprobs, mb.ref_logprobs, loss.options["kl_estimator"])

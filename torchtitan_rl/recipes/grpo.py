@@ -4,9 +4,11 @@ train on group advantages with the engine's layout-exact RL loss.
 Per step: refresh the generator's replica from the policy; take the step's
 prompts from the global stream; every data-parallel rank generates ``group_size`` completions
 of its share (its CP / TP peers split that work and exchange the rollouts); reward and
-compute advantages; with ``training.balance_dp_compute`` (the default) move samples between
-data-parallel ranks so each mini-batch's work is even; optionally recompute the policy's
-log-probs before the update (π_old) and the reference's (KL); then ``ppo_epochs`` passes of
+compute advantages (with ``rl.dynamic_sampling``, over further rounds of prompts until the
+step has enough groups with signal); with ``training.balance_dp_compute`` (the default) move
+samples between data-parallel ranks so each mini-batch's work is even; optionally recompute the policy's
+log-probs before the update (the proximal policy, kept apart from the sampler's) with the
+rollout correction's weights, and the reference's (KL); then ``ppo_epochs`` passes of
 ``num_minibatches`` optimizer steps.
 The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
 and devices; the generator knows decoding.
@@ -25,7 +27,7 @@ from torchtitan_rl.data.chat import tokenize_prompt
 from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.engine import Engine
-from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config
+from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config, resolve_loss_fn
 from torchtitan_rl.losses.reduction import NUM_TOKENS
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import (
@@ -38,13 +40,17 @@ from torchtitan_rl.recipes.base import (
     start_run,
 )
 from torchtitan_rl.rl.advantages import pass_at_k
+from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
+from torchtitan_rl.rl.length_shaping import shape_overlong
+from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
     balance_over_data_parallel,
     exchange_among_peers,
     generate_share,
+    is_truncated,
     is_zero_variance,
     rank_prompt_slots,
     rollout_metrics,
@@ -53,7 +59,7 @@ from torchtitan_rl.rl.rollouts import (
     split_among_peers,
     to_samples,
 )
-from torchtitan_rl.rl.tasks import answered_rows, build_task
+from torchtitan_rl.rl.tasks import Reward, answered_rows, build_task
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +70,24 @@ _WARMUP_POOL_SIZE = 4096  # distinct problems of a built-in task for the SFT war
 
 class GRPORecipe(Recipe):
     def __init__(self, job_config: JobConfig):
-        self.loss_fn = loss_fn_from_config(job_config.loss)
         rl, generation = job_config.rl, job_config.generation
+        self.correction = RolloutCorrection(
+            rl.rollout_correction, rl.rollout_correction_level, rl.rollout_correction_max, rl.rollout_correction_min
+        )
+        # Later updates move the policy away from the sampler's weights, and a correction needs
+        # the policy the update starts from: then pi_prox is recomputed and is the ratio's
+        # denominator, while the sampler's log-probs stay the behaviour policy's.
+        self.recompute_proximal = rl.ppo_epochs > 1 or rl.num_minibatches > 1 or self.correction.mode != "none"
+        loss = loss_fn_from_config(job_config.loss)
+        self.loss_fn = resolve_loss_fn(
+            loss.name,
+            {
+                **loss.options,
+                "proximal_logprobs": self.recompute_proximal,
+                "rollout_weights": self.correction.mode != "none",
+            },
+            key_prefix="loss.",
+        )
         run = start_run(job_config)
         self._read_task(run)
         super().__init__(
@@ -73,8 +95,9 @@ class GRPORecipe(Recipe):
             num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
             temperature=generation.temperature,
         )
-        dtype = _GENERATION_DTYPES[generation.dtype] if self.device.type == "cuda" else torch.float32
-        self.generator = TorchGenerator(self.model_args, self.device, dtype, generation.max_prompts_per_batch)
+        self.generator = TorchGenerator(
+            self.model_args, self.device, _GENERATION_DTYPES[generation.dtype], generation.max_prompts_per_batch
+        )
         self.sampling = SamplingParams(
             generation.max_new_tokens, generation.temperature, generation.top_k, generation.top_p, self.stop_token_ids
         )
@@ -250,20 +273,10 @@ class GRPORecipe(Recipe):
         start = time.perf_counter()
         with _timed(times, "weight_sync"):
             self.generator.update_weights(self.engine.model)
-        problem_ids = self.stream.next_step()
         slots_by_minibatch = rank_prompt_slots(
             rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree
         )
-        rollouts, num_generated = self._generate([s for mb in slots_by_minibatch for s in mb], problem_ids, step, times)
-
-        with _timed(times, "reward"):
-            rewards = [
-                self.task.reward(self.task.train_problems[problem_ids[r.prompt_index]], *self._completion(r))
-                for r in rollouts
-            ]
-            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
-        kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
-        values = rollout_metrics(*rollout_sums(groups, len(groups) - len(kept)), dims.mesh("batch"))
+        kept, values, num_generated = self._rollout_groups(step, [s for mb in slots_by_minibatch for s in mb], times)
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
         # Before the reference and pi_old forwards, so that they are balanced too.
         with _timed(times, "balance"):
@@ -277,11 +290,11 @@ class GRPORecipe(Recipe):
             with _timed(times, "reference"):
                 for sample, logprobs in zip(all_samples, self.reference.forward(all_samples).logprobs):
                     sample.ref_logprobs = logprobs
-        if rl.ppo_epochs > 1 or rl.num_minibatches > 1:
-            # Later updates move the policy away from the sampler's weights: the ratio's
-            # denominator is the policy before this step's first update.
+        if self.recompute_proximal:
             with _timed(times, "old_logprobs"):
-                values.update(self._recompute_old_logprobs(all_samples))
+                values.update(self._recompute_proximal_logprobs(all_samples))
+        if self.correction.mode != "none":
+            values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
 
         with _timed(times, "train"):
             updates, terms, num_trained = self._update(minibatches)
@@ -300,7 +313,73 @@ class GRPORecipe(Recipe):
         values["tokens/trained"] = float(num_trained)
         return values
 
-    def _generate(self, slots: list[int], problem_ids: list[int], step: int, times: dict) -> tuple[list[Rollout], int]:
+    def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
+        """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
+        tokens this rank generated. The metrics cover every group generated in the step (with
+        dynamic sampling, of every round), trained or not."""
+        rl = self.job_config.rl
+        batch_mesh = self.parallel_dims.mesh("batch")
+        generated: list[ScoredGroup] = []
+        num_generated = 0
+
+        def draw_round(round_index: int) -> list[ScoredGroup]:
+            nonlocal num_generated
+            groups, num_tokens = self._sample_round(step, round_index, slots, times)
+            generated.extend(groups)
+            num_generated += num_tokens
+            return groups
+
+        values: dict[str, float] = {}
+        if rl.dynamic_sampling:
+
+            def draw_whole_round(round_index: int) -> list[ScoredGroup]:
+                groups = draw_round(round_index)
+                with _timed(times, "signal_exchange"):
+                    return gather_groups_with_signal(groups, batch_mesh)
+
+            selection = select_groups_with_signal(
+                draw_whole_round, rl.prompts_per_step, rl.max_sampling_rounds, warn=self.rank == 0
+            )
+            mine = set(slots)
+            kept = [g for g in selection.groups if g.slot in mine]
+            values["rl/dynamic_sampling/rounds"] = float(selection.num_rounds)
+            values["rl/dynamic_sampling/groups_with_signal"] = float(selection.num_with_signal)
+        else:
+            groups = draw_round(0)
+            kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
+        filtering = rl.dynamic_sampling or rl.filter_zero_variance_groups
+        num_filtered = sum(is_zero_variance(g) for g in generated) if filtering else 0
+        masked = sum(is_truncated(r) for g in kept for r in g.rollouts) if rl.mask_truncated else None
+        values.update(rollout_metrics(*rollout_sums(generated, num_filtered, masked), batch_mesh))
+        return kept, values, num_generated
+
+    def _sample_round(
+        self, step: int, round_index: int, slots: list[int], times: dict
+    ) -> tuple[list[ScoredGroup], int]:
+        """Round ``round_index`` of the step on the stream's next prompts: this rank's scored groups
+        of ``slots`` (a group's slot is its candidate index, ``round_offset`` + slot) and the
+        tokens it generated."""
+        rl = self.job_config.rl
+        problem_ids = self.stream.next_step()
+        offset = round_offset(round_index, rl.prompts_per_step)
+        rollouts, num_generated = self._generate(slots, problem_ids, offset, step, times)
+        with _timed(times, "reward"):
+            rewards = [self._reward(problem_ids[r.prompt_index - offset], r) for r in rollouts]
+            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
+        return groups, num_generated
+
+    def _reward(self, problem_id: int, rollout: Rollout) -> Reward:
+        """The verifier's reward of ``rollout``, shaped by the overlong penalty when it is on."""
+        reward = self.task.reward(self.task.train_problems[problem_id], *self._completion(rollout))
+        rl = self.job_config.rl
+        if not rl.overlong_buffer:
+            return reward
+        length = len(rollout.completion_tokens)
+        return shape_overlong(reward, length, self.sampling.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+
+    def _generate(
+        self, slots: list[int], problem_ids: list[int], index_offset: int, step: int, times: dict
+    ) -> tuple[list[Rollout], int]:
         """This rank's rollouts of ``slots`` (identical on its CP / TP peers) and the tokens it generated."""
         peer_mesh = self.parallel_dims.mesh("cp_tp")
         with _timed(times, "generate"):
@@ -313,6 +392,7 @@ class GRPORecipe(Recipe):
                 self.job_config.generation.seed,
                 step,
                 peer_mesh,
+                index_offset,
             )
         with _timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
@@ -341,17 +421,19 @@ class GRPORecipe(Recipe):
         minibatches: list[list[ScoredGroup]] = [[] for _ in slots_by_minibatch]
         for group in groups:
             minibatches[minibatch_of[group.slot]].append(group)
-        return [to_samples(mb, self.job_config.training.seq_len) for mb in minibatches]
+        cfg = self.job_config
+        return [to_samples(mb, cfg.training.seq_len, cfg.rl.mask_truncated) for mb in minibatches]
 
-    def _recompute_old_logprobs(self, samples: list[Sample]) -> dict[str, float]:
-        """Replace the sampler's log-probs by the policy's (same weights, trainer numerics) and
-        return the sampler-trainer mismatch over completion tokens."""
-        old = self.engine.forward(samples).logprobs
+    def _recompute_proximal_logprobs(self, samples: list[Sample]) -> dict[str, float]:
+        """Set each sample's ``prox_logprobs`` to the policy's before the update (the sampler's
+        weights, trainer numerics; the sampler's own stay as they are) and return the
+        sampler-trainer mismatch over completion tokens."""
+        proximal = self.engine.forward(samples).logprobs
         deltas = [torch.zeros(0, dtype=torch.float64)]
-        for sample, logprobs in zip(samples, old):
+        for sample, logprobs in zip(samples, proximal):
             logprobs = logprobs.cpu().float()
             deltas.append((logprobs - sample.sampler_logprobs)[sample.loss_mask].abs().double())
-            sample.sampler_logprobs = torch.where(sample.loss_mask, logprobs, 0.0)
+            sample.prox_logprobs = torch.where(sample.loss_mask, logprobs, 0.0)
         delta = torch.cat(deltas)
         sums = torch.tensor([delta.sum(), delta.numel()], dtype=torch.float64)
         largest = delta.max(dim=0, keepdim=True).values if delta.numel() else torch.zeros(1, dtype=torch.float64)

@@ -23,6 +23,7 @@ from torchtitan_rl.data.balance import assign_to_ranks, rank_loads, sample_cost
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
+from torchtitan_rl.rl.length_shaping import OVERLONG_COMPONENT, is_penalized
 from torchtitan_rl.rl.tasks import Reward
 
 
@@ -94,12 +95,19 @@ def generate_share(
     seed: int,
     step: int,
     peer_mesh: DeviceMesh | None,
+    index_offset: int = 0,
 ) -> list[Rollout]:
     """This peer's part of the rollouts of ``slots`` (indices into ``step_prompts``, the step's
-    prompt tokens); ``exchange_among_peers`` then gives every peer all of them."""
+    prompt tokens); ``exchange_among_peers`` then gives every peer all of them.
+
+    A rollout's prompt index, which keys its randomness, is ``index_offset + slot``: dynamic
+    sampling's later rounds of a step pass an offset so that their keys are new
+    (``rl/dynamic_sampling.py``).
+    """
     peer_rank, num_peers = (0, 1) if peer_mesh is None else (peer_mesh.get_local_rank(), peer_mesh.size())
     mine = split_among_peers(slots, peer_rank, num_peers)
-    return generator.generate([step_prompts[s] for s in mine], mine, num_samples, params, seed, step)
+    indices = [index_offset + s for s in mine]
+    return generator.generate([step_prompts[s] for s in mine], indices, num_samples, params, seed, step)
 
 
 def exchange_among_peers(local: list, peer_mesh: DeviceMesh | None) -> list:
@@ -144,10 +152,16 @@ def is_zero_variance(group: ScoredGroup) -> bool:
     return bool(zero_variance_groups(totals, torch.zeros(len(totals), dtype=torch.long)).all())
 
 
-def to_samples(groups: list[ScoredGroup], max_len: int) -> list[Sample]:
+def is_truncated(rollout: Rollout) -> bool:
+    """Whether ``rollout`` was cut at ``max_new_tokens`` instead of ending with a stop token."""
+    return rollout.stop_reason == "length"
+
+
+def to_samples(groups: list[ScoredGroup], max_len: int, mask_truncated: bool = False) -> list[Sample]:
     """One training sample per rollout: the loss covers the completion (stop token included),
     whose tokens carry the group advantage and the sampler's log-probs; the group id is the
-    prompt's slot in the step."""
+    prompt's slot in the step. With ``mask_truncated`` a truncated completion carries no loss
+    token (its reward still entered its group's advantages)."""
     samples = []
     for group in groups:
         for rollout, advantage in zip(group.rollouts, group.advantages):
@@ -159,8 +173,9 @@ def to_samples(groups: list[ScoredGroup], max_len: int) -> list[Sample]:
                 )
             num_prompt, num_completion = len(rollout.prompt_tokens) - 1, len(rollout.completion_tokens)
             ids = torch.tensor(tokens, dtype=torch.long)
+            trained = not (mask_truncated and is_truncated(rollout))
             completion = torch.cat(
-                [torch.zeros(num_prompt, dtype=torch.bool), torch.ones(num_completion, dtype=torch.bool)]
+                [torch.zeros(num_prompt, dtype=torch.bool), torch.full((num_completion,), trained, dtype=torch.bool)]
             )
             samples.append(
                 Sample(
@@ -317,11 +332,16 @@ _SUMS = (
     "groups_all_correct",
     "groups_all_wrong",
     "filtered_groups",
+    "overlong_penalized",
 )
 
 
-def rollout_sums(groups: list[ScoredGroup], filtered: int) -> tuple[dict[str, float], float, dict[str, float]]:
-    """(sums of ``_SUMS``, the longest response, sums of each reward component) of this rank's groups."""
+def rollout_sums(
+    groups: list[ScoredGroup], filtered: int, masked_truncated: int | None = None
+) -> tuple[dict[str, float], float, dict[str, float]]:
+    """(sums of ``_SUMS``, the longest response, sums of each reward component) of this rank's
+    groups; with ``masked_truncated`` (the rank's trained rollouts whose loss was masked) also
+    its sum."""
     sums = dict.fromkeys(_SUMS, 0.0)
     components: dict[str, float] = {}
     longest = 0.0
@@ -336,18 +356,23 @@ def rollout_sums(groups: list[ScoredGroup], filtered: int) -> tuple[dict[str, fl
             sums["reward_sq"] += reward.total**2
             sums["correct"] += reward.correct
             sums["length"] += len(rollout.completion_tokens)
-            sums["truncated"] += rollout.stop_reason == "length"
+            sums["truncated"] += is_truncated(rollout)
+            sums["overlong_penalized"] += is_penalized(reward)
             longest = max(longest, float(len(rollout.completion_tokens)))
             for name, value in reward.components.items():
                 components[name] = components.get(name, 0.0) + value
     sums["filtered_groups"] = float(filtered)
+    if masked_truncated is not None:
+        sums["masked_truncated"] = float(masked_truncated)
     return sums, longest, components
 
 
 def rollout_metrics(
     sums: dict[str, float], longest: float, components: dict[str, float], batch_mesh: DeviceMesh | None
 ) -> dict[str, float]:
-    """Global ``rl/*`` rollout metrics: every ratio is Σ numerator / Σ denominator over the step."""
+    """Global ``rl/*`` rollout metrics: every ratio is Σ numerator / Σ denominator over the step.
+    ``rl/overlong/penalized`` appears with the overlong reward component, ``rl/masked_truncated``
+    (a count) when ``sums`` has it."""
     names = list(sums) + [f"reward_{c}" for c in components]
     values = torch.tensor(list(sums.values()) + list(components.values()), dtype=torch.float64)
     longest_t = torch.tensor([longest], dtype=torch.float64)
@@ -371,4 +396,8 @@ def rollout_metrics(
         "rl/num_rollouts": total["num_rollouts"],
     }
     out.update({f"rl/reward_{c}": total[f"reward_{c}"] / n for c in components})
+    if OVERLONG_COMPONENT in components:
+        out["rl/overlong/penalized"] = total["overlong_penalized"] / n
+    if "masked_truncated" in total:
+        out["rl/masked_truncated"] = total["masked_truncated"]
     return out

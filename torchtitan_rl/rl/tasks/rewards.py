@@ -30,7 +30,8 @@ class Reward:
     correct: bool
     """Whether the answer matched; what pass@1 / pass@k count."""
     components: dict[str, float]
-    """Unweighted ``correct``, ``partial`` and ``format`` in [0, 1]; logged as ``rl/reward_<name>``."""
+    """Unweighted ``correct``, ``partial`` and ``format`` in [0, 1] (and, with length shaping,
+    the non-positive ``overlong`` penalty, ``rl/length_shaping.py``); logged as ``rl/reward_<name>``."""
 
 
 def parse_number(text: str) -> float | None:
