@@ -164,7 +164,7 @@ def test_balancing_lowers_the_logged_dp_cost_imbalance(layout_runs):
 
 STEPS, INTERVAL = 60, 30
 # Calibrated in docs/benchmarks/grpo.md: over 3 seeds the last 5 of the recipe's 60 steps beat the
-# first 5 by 0.28 to 0.52 in mean reward (after 30 steps by as little as 0.09: too early to test).
+# first 5 by 0.30 to 0.50 in mean reward (after 30 steps by as little as 0.07: too early to test).
 MARGIN = 0.15
 EXACT_TAGS = (
     "loss_metrics/global_avg_loss",
