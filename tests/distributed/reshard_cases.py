@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 import moe_cases
 import vlm_cases
+from generator_cases import full, share
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.distributed.fsdp import RESHARD_POLICIES
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -37,10 +38,6 @@ TOTAL_STEPS = 10  # of the linear schedule (no warmup, decays to 0)
 
 def key(layout: tuple, model: str, policy: str) -> str:
     return "reshard/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{model}/{policy}"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def _own_params(group: torch.nn.Module) -> list[torch.Tensor]:
@@ -87,11 +84,6 @@ def run_reshard_checks(dims: ParallelDims, results: dict) -> None:
         _moe_and_vlm_groups(dims, layout, policy, results)
 
 
-def _share(samples: list, dims: ParallelDims) -> list:
-    n = len(samples) // dims.batch_degree
-    return samples[dims.batch_rank() * n : (dims.batch_rank() + 1) * n]
-
-
 def _train_two_steps(dims: ParallelDims, layout: tuple, policy: str, results: dict) -> None:
     device = torch.device("cpu")
     model = build_model(
@@ -120,15 +112,15 @@ def _train_two_steps(dims: ParallelDims, layout: tuple, policy: str, results: di
     steps = []
     for step, variant in enumerate(STEP_DATA, start=1):
         records.clear()
-        fb = engine.forward_backward(_share(lc.global_batch(variant), dims))
+        fb = engine.forward_backward(share(lc.global_batch(variant), dims))
         entry = {
             "gathered_before_backward": list(records),
-            "grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+            "grads": {n: full(p.grad) for n, p in model.named_parameters()},
         }
         if step == 1:
             # Log-probs for old / reference values, between backward and the optimizer step.
             records.clear()
-            entry["forward_logprobs"] = engine.forward(_share(lc.global_batch("uneven"), dims)).logprobs
+            entry["forward_logprobs"] = engine.forward(share(lc.global_batch("uneven"), dims)).logprobs
             entry["gathered_in_forward"] = list(records)
             entry["sharded_after_forward"] = all_sharded(model)
         optim = engine.optim_step()
@@ -141,7 +133,7 @@ def _train_two_steps(dims: ParallelDims, layout: tuple, policy: str, results: di
             window_seconds=1.0,
             data_stats={},
         )
-        entry["params"] = {n: _full(p) for n, p in model.named_parameters()}
+        entry["params"] = {n: full(p) for n, p in model.named_parameters()}
         steps.append(entry)
     results[key(layout, "dense", policy)] = steps
 
@@ -153,7 +145,7 @@ def _moe_and_vlm_groups(dims: ParallelDims, layout: tuple, policy: str, results:
         "moe": (
             moe_cases.model_args(),
             {"router": moe_cases.ROUTER_CONFIGS["sequence_pooled"]},
-            _share(lc.global_batch("uneven"), dims),
+            share(lc.global_batch("uneven"), dims),
         ),
         "vlm": (
             vlm_cases.model_args(),

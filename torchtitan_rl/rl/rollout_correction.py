@@ -56,10 +56,18 @@ class RolloutCorrection:
             )
 
 
-def correction_weights(sample: Sample, config: RolloutCorrection) -> torch.Tensor:
-    """The sample's per-token weights ``[n]`` (float32; 0 off the loss mask)."""
+def log_ratios(sample: Sample) -> torch.Tensor:
+    """``log ρ_t = log π_prox − log π_behave`` per token, float64, 0 off the loss mask."""
+    return torch.where(sample.loss_mask, sample.prox_logprobs.double() - sample.sampler_logprobs.double(), 0.0)
+
+
+def correction_weights(
+    sample: Sample, config: RolloutCorrection, log_ratio: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The sample's per-token weights ``[n]`` (float32; 0 off the loss mask), from its
+    ``log_ratios`` (computed here unless given)."""
     mask = sample.loss_mask
-    log_ratio = torch.where(mask, sample.prox_logprobs.double() - sample.sampler_logprobs.double(), 0.0)
+    log_ratio = log_ratios(sample) if log_ratio is None else log_ratio
     if config.mode == "geo_mask":
         mean = log_ratio.sum() / mask.sum().clamp(min=1)
         keep = (config.min_ratio <= mean.exp()) & (mean.exp() <= config.max_ratio)
@@ -97,14 +105,14 @@ def apply_rollout_correction(
     sums = dict.fromkeys(_SUMS, 0.0)
     largest = 0.0
     for sample in samples:
-        weights = correction_weights(sample, config)
+        log_ratio = log_ratios(sample)
+        weights = correction_weights(sample, config, log_ratio)
         sample.rollout_weights = weights
         mask = sample.loss_mask
         if not mask.any():
             continue
         w = weights[mask].double()
-        log_ratio = (sample.prox_logprobs.double() - sample.sampler_logprobs.double())[mask]
-        log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+        log_ratio = log_ratio[mask].clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
         sums["loss_tokens"] += w.numel()
         sums["weight"] += float(w.sum())
         sums["weight_sq"] += float(w.square().sum())
