@@ -150,7 +150,8 @@ def balance_worker(repeats: int) -> None:
             )
         )
     costs = [sample_cost(len(s), s.num_patches) for s in samples]
-    splits = {"off": contiguous_split(len(samples), world), "on": assign_to_ranks(costs, world)}
+    balanced = assign_to_ranks([len(s) for s in samples], world, num_patches=[s.num_patches for s in samples])
+    splits = {"off": contiguous_split(len(samples), world), "on": balanced}
     times: dict[str, list[float]] = {"off": [], "on": []}
     # Alternating like bench_common.time_alternating, with barriers so that every rank times the
     # same step.

@@ -13,14 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from torchtitan_rl.data.balance import plan_microbatches
 from torchtitan_rl.data.cp_split import shard_microbatch
-from torchtitan_rl.data.packing import (
-    MicroBatch,
-    VisionPacking,
-    build_microbatches,
-    padding_microbatch,
-    plan_microbatches,
-)
+from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, padding_microbatch
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
@@ -83,6 +78,7 @@ class PreparedBatch:
     inputs: tuple[str, ...]  # the optional sample inputs packed (those of the loss it was prepared for)
     num_samples: int
     problem: str | None  # why the samples cannot be trained on (then nothing else is set)
+    sample_order: list[int]  # the samples' indices in the order they were packed
     whole: list[MicroBatch]  # whole micro-batches (counts come from them)
     shares: list[MicroBatch]  # this rank's share of each (the whole ones without context parallel)
     attention: list[AttentionContext | None]  # per share, planned ahead; None: built in the forward
@@ -112,6 +108,10 @@ class EngineOptions:
     logits_chunk_size: int
     max_norm: float
     loss_parallel: bool = True
+    # Pack each rank's samples into the fewest micro-batches of about equal cost, costliest
+    # first (data.balance.plan_microbatches), instead of in order: with compute balancing the
+    # data-parallel ranks then meet at every micro-batch with about the same work done.
+    balance_microbatches: bool = False
     # Log-probs, entropies and losses are of softmax(logits / temperature): RL trains on the
     # distribution its sampler drew from.
     temperature: float = 1.0
@@ -176,12 +176,13 @@ class Engine:
                     options.max_tokens_per_microbatch,
                     [s.num_patches for s in samples],
                     options.max_patches_per_microbatch,
+                    balanced=options.balance_microbatches,
                 )
             except ValueError as err:
                 problem = str(err)
         if problem is not None:
             nothing = torch.zeros(0, dtype=torch.long)
-            return PreparedBatch(inputs, len(samples), problem, [], [], [], 0, nothing, 0, nothing, nothing.float())
+            return PreparedBatch(inputs, len(samples), problem, [], [], [], [], 0, nothing, 0, nothing, nothing.float())
         num_groups = 1 + max((s.group_id for s in samples), default=-1) if "group_id" in inputs else 0
         whole, shares = self._shares(build_microbatches(samples, plan, len(plan), self._pad_multiple(), inputs, vision))
         attention = [None] * len(shares)
@@ -198,6 +199,7 @@ class Engine:
             inputs,
             len(samples),
             None,
+            [i for group in plan for i in group],
             whole,
             shares,
             attention,
@@ -483,8 +485,7 @@ class Engine:
     @torch.no_grad()
     def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
         """Per-token log-probabilities of each sample's labels (and entropies), in the samples' order."""
-        logprobs: list[torch.Tensor] = []
-        entropies: list[torch.Tensor] = []
+        packed: list[torch.Tensor] = []  # per sample in packing order: [tokens, 1 or 2]
         cp_mesh = self.parallel_dims.mesh("cp")
         batch = self._agree(self._prepare(samples, ()))
         for mb, attention in zip(batch.shares, batch.attention):
@@ -505,15 +506,16 @@ class Engine:
             if cp_mesh is not None:
                 # Per-token scalars only (never logits), and only outside training.
                 per_token = gather_from_cp_ranks(per_token, mb.cp_layout, cp_mesh)
-            per_seq = per_token[: sum(mb.seq_lens)].cpu().split(mb.seq_lens)
-            logprobs.extend(values[:, 0] for values in per_seq)
-            entropies.extend(values[:, -1] for values in per_seq)
+            packed.extend(per_token[: sum(mb.seq_lens)].cpu().split(mb.seq_lens))
         # The root (and, under the "default" and "never" policies, blocks) keep their parameters
         # gathered after forward for the backward that usually follows; with no backward,
         # release every group so that an optimizer step cannot leave a stale gathered copy
         # behind (and ``parameters()`` yields the sharded ones again).
         reshard(self.model)
-        return ForwardResult(logprobs, entropies if with_entropy else None)
+        per_sample = [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
+        return ForwardResult(
+            [values[:, 0] for values in per_sample], [values[:, -1] for values in per_sample] if with_entropy else None
+        )
 
     def optim_step(self) -> dict[str, torch.Tensor | float]:
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm)

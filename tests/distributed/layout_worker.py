@@ -17,6 +17,7 @@ from moe_cases import run_moe_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
 from torchtitan_rl.compat import all_gather_autograd
+from torchtitan_rl.data.balance import assign_to_ranks
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import (
@@ -39,7 +40,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def share(samples, dims: ParallelDims):
+def share(samples, dims: ParallelDims, balance: bool = False, budget: int = 0):
+    """This DP rank's samples: a contiguous slice, or (``balance``) the compute-balanced
+    assignment for micro-batches of ``budget`` tokens."""
+    if balance:
+        indices = assign_to_ranks([len(s) for s in samples], dims.batch_degree, max_tokens=budget)
+        return [samples[i] for i in indices[dims.batch_rank()]]
     n = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
     r = dims.batch_rank()
     return samples[r * n : (r + 1) * n]
@@ -73,23 +79,29 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
                 max_tokens_per_microbatch=24,
                 logits_chunk_size=16,
                 max_norm=0.0,
+                balance_microbatches=True,  # packed out of order: results must come back in order
             ),
         )
         out = engine.forward(share(lc.global_batch("uneven"), dims), with_entropy=True)
         results[f"{prefix}/forward"] = {"logprobs": out.logprobs, "entropies": out.entropies}
     for loss_fn, mode, budget, variants, step in cases:
+        # Compute balancing (ranks and micro-batches) for every mode but the one whose loss
+        # depends on the packing on purpose: its reference replays contiguous, in-order packing.
+        balance = mode != "token_mean_legacy"
         options = EngineOptions(
             reduction=mode,
             horizon=lc.HORIZON,
             max_tokens_per_microbatch=budget,
             logits_chunk_size=16,
             max_norm=lc.MAX_NORM if step else 0.0,
+            balance_microbatches=balance,
         )
         engine = Engine(
             model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
         )
         for variant in variants:
-            fb = engine.forward_backward(share(lc.global_batch(variant), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
+            samples = share(lc.global_batch(variant), dims, balance, budget)
+            fb = engine.forward_backward(samples, loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
         grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
         if step:
             optim = engine.optim_step()

@@ -108,8 +108,15 @@ def test_vlm_data_premises():
     _, grads, _ = reference("token_mean")
     for prefix in ("vision_tower.", "projector."):
         assert all(g.abs().sum() > 0 for fqn, g in grads.items() if fqn.startswith(prefix)), prefix
-    costs = [vc.sample_cost(len(s), s.num_patches) for s in samples]
-    assert vc.assign_to_ranks(costs, 2) != [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for max_tokens, max_patches in vc.BUDGETS:
+        assignment = vc.assign_to_ranks(
+            [len(s) for s in samples],
+            2,
+            num_patches=[s.num_patches for s in samples],
+            max_tokens=max_tokens,
+            max_patches=max_patches,
+        )
+        assert assignment != [[0, 1, 2, 3], [4, 5, 6, 7]], (max_tokens, max_patches)
 
 
 def test_vlm_layouts_include_a_rank_without_images(layout_results):

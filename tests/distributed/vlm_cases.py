@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
-from torchtitan_rl.data.balance import assign_to_ranks, sample_cost
+from torchtitan_rl.data.balance import assign_to_ranks
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.sample import Sample, SampleImage
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -106,13 +106,20 @@ def global_batch() -> list[Sample]:
     return samples
 
 
-def rank_samples(samples: list[Sample], dims: ParallelDims, balance: bool) -> list[Sample]:
-    """This DP rank's samples: a contiguous slice, or the balanced assignment."""
+def rank_samples(samples: list[Sample], dims: ParallelDims, balance: bool, budget: tuple = (0, 0)) -> list[Sample]:
+    """This DP rank's samples: a contiguous slice, or the balanced assignment for micro-batches
+    of ``budget`` (tokens, vision patches)."""
     if not balance:
         share = len(samples) // dims.batch_degree
         return samples[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
-    costs = [sample_cost(len(s), s.num_patches) for s in samples]
-    return [samples[i] for i in assign_to_ranks(costs, dims.batch_degree)[dims.batch_rank()]]
+    indices = assign_to_ranks(
+        [len(s) for s in samples],
+        dims.batch_degree,
+        num_patches=[s.num_patches for s in samples],
+        max_tokens=budget[0],
+        max_patches=budget[1],
+    )
+    return [samples[i] for i in indices[dims.batch_rank()]]
 
 
 def case_key(layout: tuple, mode: str, budget: tuple, balance: bool, step: bool = False) -> str:
@@ -151,11 +158,12 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
             max_norm=lc.MAX_NORM if step else 0.0,
             vision=vision,
             max_patches_per_microbatch=budget[1],
+            balance_microbatches=balance,
         )
         engine = Engine(
             model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
         )
-        samples = rank_samples(global_batch(), dims, balance)
+        samples = rank_samples(global_batch(), dims, balance, budget)
         fb = engine.forward_backward(samples)
         grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
         optim = (

@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference import minibatch_loss
-from torchtitan_rl.data.packing import plan_microbatches
+from torchtitan_rl.data.balance import plan_microbatches
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -45,7 +45,9 @@ ARGS = Qwen3ModelArgs(
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 
 
-def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0, args=ARGS):
+def make_engine(
+    reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, steps=10, warmup=0, seed=0, args=ARGS, balanced=False
+):
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
     model = build_model(args, parallel_dims=dims, device=CPU, seed=seed, param_dtype=torch.float32)
@@ -57,6 +59,7 @@ def make_engine(reduction="token_mean", max_tokens=0, chunk=5, max_norm=0.0, ste
         max_tokens_per_microbatch=max_tokens,
         logits_chunk_size=chunk,
         max_norm=max_norm,
+        balance_microbatches=balanced,
     )
     return Engine(model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=CPU, options=options)
 
@@ -180,13 +183,16 @@ def test_chunked_logprobs_and_entropy_match_full_logits(chunk):
 # ---------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("max_tokens", [0, 12])
-def test_forward_logprobs_and_entropies_match_per_sequence_log_softmax(max_tokens):
-    engine = make_engine(max_tokens=max_tokens, chunk=7)
+@pytest.mark.parametrize("max_tokens, balanced", [(0, False), (12, False), (12, True)])
+def test_forward_logprobs_and_entropies_match_per_sequence_log_softmax(max_tokens, balanced):
+    engine = make_engine(max_tokens=max_tokens, chunk=7, balanced=balanced)
     raw = random_raw(1)
     samples = samples_of(raw)
     if max_tokens:
-        assert len(plan_microbatches([len(s) for s in samples], max_tokens)) > 1
+        plan = plan_microbatches([len(s) for s in samples], max_tokens, balanced=balanced)
+        assert len(plan) > 1
+        # Balanced packing reorders the samples; the results must still come back in order.
+        assert ([i for group in plan for i in group] != list(range(len(samples)))) == balanced
     got = engine.forward(samples, with_entropy=True)
     assert engine.forward(samples).entropies is None
     assert len(got.logprobs) == len(got.entropies) == len(raw)
@@ -214,10 +220,10 @@ def test_forward_backward_matches_reference_for_any_microbatching(mode):
     raw = random_raw(2)
     samples = samples_of(raw)
     results = []
-    for max_tokens in (0, 12, 10):
-        engine = make_engine(reduction=mode, max_tokens=max_tokens)
+    for max_tokens, balanced in ((0, False), (12, False), (10, False), (12, True), (10, True)):
+        engine = make_engine(reduction=mode, max_tokens=max_tokens, balanced=balanced)
         if max_tokens:
-            assert len(plan_microbatches([len(s) for s in samples], max_tokens)) > 1
+            assert len(plan_microbatches([len(s) for s in samples], max_tokens, balanced=balanced)) > 1
         metrics = engine.forward_backward(samples, "cross_entropy")
         results.append((engine, metrics, grads_of(engine.model)))
     model = results[0][0].model

@@ -5,14 +5,8 @@ import random
 import pytest
 import torch
 
-from torchtitan_rl.data.packing import (
-    MicroBatch,
-    VisionPacking,
-    build_microbatches,
-    pack,
-    padding_microbatch,
-    plan_microbatches,
-)
+from torchtitan_rl.data.balance import plan_microbatches
+from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, pack, padding_microbatch
 from torchtitan_rl.data.sample import Sample, SampleImage
 
 # ---------------------------------------------------------------- plan_microbatches

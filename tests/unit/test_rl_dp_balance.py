@@ -127,8 +127,10 @@ def test_plan_is_the_cost_assignment_of_the_global_order():
     assert plan_dp_balance(copy.deepcopy(lengths), True)[0] == plan  # a function of the lengths alone
     for m, ranks in enumerate(plan):
         keys = [(r, i) for r in range(3) for i in range(len(lengths[r][m]))]  # rank 0's slots first
-        costs = [sample_cost(lengths[r][m][i]) for r, i in keys]
-        assert ranks == [[keys[i] for i in indices] for indices in assign_to_ranks(costs, 3)]
+        own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(3)]
+        expected = assign_to_ranks([lengths[r][m][i] for r, i in keys], 3, fallback=own)
+        assert expected != own
+        assert ranks == [[keys[i] for i in indices] for indices in expected]
 
 
 def test_balancing_off_keeps_every_rank_share_and_logs_its_imbalance():

@@ -446,7 +446,12 @@ def test_balanced_shares_cover_the_same_global_batch(degree):
         global_batch = next(whole)
         shares = [next(loader) for loader in split]
         costs = [sample_cost(len(s), s.num_patches) for s in global_batch]
-        expected = assign_to_ranks(costs, degree)
+        expected = assign_to_ranks(
+            [len(s) for s in global_batch],
+            degree,
+            num_patches=[s.num_patches for s in global_batch],
+            max_patches=VISION.max_patches_per_microbatch,
+        )
         # The global stream does not change; each rank gets the cost model's assignment, in global order.
         for share, indices in zip(shares, expected, strict=True):
             assert [sample_key(s) for s in share] == [sample_key(global_batch[i]) for i in indices]

@@ -153,14 +153,16 @@ class Training:
 
     balance_dp_compute: bool = True
     """Assign the samples of each mini-batch to the data-parallel ranks by estimated compute
-    (tokens, tokens squared, vision patches) instead of in contiguous slices, so the slowest
-    rank waits less at the FSDP collectives. The gradient does not change (except under
-    token_mean_legacy, layout-dependent on purpose). SFT: computed identically on every rank
-    from the global mini-batch, no communication. GRPO: the rollouts of each mini-batch are
-    split over the ranks after scoring (two small host all-gathers per step: the sample
-    lengths, then the samples that move). data/dp_cost_imbalance logs the slowest rank's
-    cost over the mean of the split used (also data/dp_cost_imbalance_contiguous and
-    _balanced); false keeps each rank's contiguous share."""
+    (tokens, tokens squared, vision patches) instead of in contiguous slices, and pack each
+    rank's share into the fewest micro-batches of about equal cost (costliest first) instead
+    of in order, so that the ranks, which meet at every micro-batch's FSDP collectives, hold
+    the same number of micro-batches of about the same work. The gradient does not change
+    (except under token_mean_legacy, layout-dependent on purpose). SFT: computed identically
+    on every rank from the global mini-batch, no communication. GRPO: the rollouts of each
+    mini-batch are split over the ranks after scoring (two small host all-gathers per step:
+    the sample lengths, then the samples that move). data/dp_cost_imbalance logs the slowest
+    rank's total cost over the mean of the split used (also data/dp_cost_imbalance_contiguous
+    and _balanced); false keeps each rank's contiguous share, packed in order."""
 
     max_norm: float = bounded(1.0, ge=0)
     """Gradient-norm clipping threshold. 0 disables clipping (the norm is still logged)."""

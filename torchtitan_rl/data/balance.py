@@ -1,12 +1,23 @@
-"""Assign the samples of a global mini-batch to data-parallel ranks by estimated compute.
+"""Lay out a mini-batch over data-parallel ranks and micro-batches by estimated compute.
 
-Every rank computes the same assignment from the same costs (pure Python on identical
-inputs, ties broken by index), so no communication is needed. The gradient does not depend
-on the assignment: losses are weighted by global counts (docs/design.md, 'Loss weights'); only the time the
-fastest ranks wait for the slowest one does.
+FSDP synchronizes the data-parallel ranks at every micro-batch (each one all-gathers and
+reduce-scatters the same parameters), so a step lasts about the sum, over micro-batch
+positions, of the slowest rank's micro-batch at that position, not the slowest rank's total.
+An even layout therefore gives every rank the same number of micro-batches of about the same
+cost; packing fewer, fuller micro-batches also saves collectives. Two parts here:
+
+- ``plan_microbatches``: one rank's samples into micro-batches under the token and patch
+  budgets, either in order or ``balanced`` (the fewest micro-batches first-fit-decreasing
+  finds, with the samples spread so that they cost about the same; costliest first).
+- ``assign_to_ranks``: a mini-batch's samples to ranks, from the same kind of plan over the
+  whole mini-batch, so that each rank's balanced plan has the same number of micro-batches.
+
+Everything is pure Python on identical inputs with ties broken by index, so every rank
+computes the same layout without communication. The gradient does not depend on it: losses
+are weighted by global counts (docs/design.md, 'Loss weights'), except token_mean_legacy's
+per-micro-batch means, which depend on the packing on purpose.
 """
 
-import heapq
 import math
 
 # cost = tokens + tokens^2 / COST_QUADRATIC_TOKENS + COST_PER_PATCH * patches, in units of one
@@ -20,6 +31,11 @@ import math
 #   model a patch costs about half a text token.
 COST_QUADRATIC_TOKENS = 8192.0
 COST_PER_PATCH = 0.5
+
+_BUDGET_KEYS = (
+    ("tokens", "training.max_tokens_per_microbatch"),
+    ("vision patches", "training.max_patches_per_microbatch"),
+)
 
 
 def sample_cost(num_tokens: int, num_patches: int = 0) -> float:
@@ -45,33 +61,162 @@ def imbalance(costs: list[float], assignment: list[list[int]]) -> float:
     return max(loads) / mean if mean > 0 else 1.0
 
 
-def assign_to_ranks(costs: list[float], num_ranks: int) -> list[list[int]]:
+class _Sizes:
+    """Samples' (tokens, patches) sizes, costs and a micro-batch's budgets (0: none)."""
+
+    def __init__(self, seq_lens: list[int], num_patches: list[int] | None, max_tokens: int, max_patches: int):
+        num_patches = num_patches or [0] * len(seq_lens)
+        if len(num_patches) != len(seq_lens) or any(n < 0 for n in (*seq_lens, *num_patches)):
+            raise ValueError(f"sample sizes must be >= 0, one per sample: {seq_lens}, {num_patches}")
+        self.sizes = list(zip(seq_lens, num_patches))
+        self.costs = [sample_cost(t, p) for t, p in self.sizes]
+        self.budgets = (max_tokens, max_patches)
+
+    def fits(self, load: tuple[int, int], i: int) -> bool:
+        return all(not budget or used + size <= budget for used, size, budget in zip(load, self.sizes[i], self.budgets))
+
+    def add(self, load: tuple[int, int], i: int) -> tuple[int, int]:
+        return (load[0] + self.sizes[i][0], load[1] + self.sizes[i][1])
+
+    def check(self) -> None:
+        for i, sizes in enumerate(self.sizes):
+            for size, budget, (what, key) in zip(sizes, self.budgets, _BUDGET_KEYS):
+                if budget and size > budget:
+                    raise ValueError(
+                        f"a sample of {size} {what} exceeds {key}={budget} (sample {i} of this rank's "
+                        f"{len(self.sizes)}; samples are never split)"
+                    )
+
+    def in_order(self) -> list[list[int]]:
+        plan: list[list[int]] = []
+        load = (0, 0)
+        for i in range(len(self.sizes)):
+            if not plan or not self.fits(load, i):
+                plan.append([])
+                load = (0, 0)
+            plan[-1].append(i)
+            load = self.add(load, i)
+        return plan
+
+    def balanced(self, indices: list[int], multiple_of: int = 1) -> list[list[int]]:
+        """``indices`` in the fewest bins first-fit-decreasing finds, rounded up to a multiple
+        of ``multiple_of``, then spread over that many: costliest sample first, each to the
+        cheapest bin it fits (if one fits none, the first-fit-decreasing bins are kept).
+        Bins costliest first, indices ascending in each; a sample over a budget gets a bin of
+        its own (``check`` refuses it where a plan must be run)."""
+        order = sorted(indices, key=lambda i: (-self.costs[i], i))
+        packed = self._first_fit(order)
+        num_bins = -(-len(packed) // multiple_of) * multiple_of
+        bins = self._spread(order, num_bins) or packed + [[] for _ in range(num_bins - len(packed))]
+        for group in bins:
+            group.sort()
+        return sorted(bins, key=lambda group: (-self.cost(group), group[0] if group else math.inf))
+
+    def cost(self, indices: list[int]) -> float:
+        return sum(self.costs[i] for i in indices)
+
+    def _first_fit(self, order: list[int]) -> list[list[int]]:
+        bins: list[list[int]] = []
+        loads: list[tuple[int, int]] = []
+        for i in order:
+            k = next((k for k, load in enumerate(loads) if self.fits(load, i)), len(bins))
+            if k == len(bins):
+                bins.append([])
+                loads.append((0, 0))
+            bins[k].append(i)
+            loads[k] = self.add(loads[k], i)
+        return bins
+
+    def _spread(self, order: list[int], num_bins: int) -> list[list[int]] | None:
+        bins: list[list[int]] = [[] for _ in range(num_bins)]
+        loads = [(0, 0)] * num_bins
+        costs = [0.0] * num_bins
+        for i in order:
+            fitting = [k for k in range(num_bins) if not bins[k] or self.fits(loads[k], i)]
+            if not fitting:
+                return None
+            k = min(fitting, key=lambda k: (costs[k], k))
+            bins[k].append(i)
+            loads[k] = self.add(loads[k], i)
+            costs[k] += self.costs[i]
+        return bins
+
+
+def plan_microbatches(
+    seq_lens: list[int],
+    max_tokens: int,
+    num_patches: list[int] | None = None,
+    max_patches: int = 0,
+    balanced: bool = False,
+) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most ``max_tokens`` tokens and at most
+    ``max_patches`` vision patches (of the samples' images, ``num_patches``).
+
+    In order by default: a micro-batch is closed when the next sample does not fit. With
+    ``balanced``, the fewest micro-batches first-fit-decreasing finds, the samples spread over
+    them so that their estimated costs are close, costliest micro-batch first (indices
+    ascending within one). A budget of 0 means none: with both 0 everything goes into one
+    micro-batch. A sample is never split, so one over a budget is an error. Either way the plan
+    is a pure function of the sizes.
+    """
+    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
+    sizes.check()
+    return sizes.balanced(list(range(len(seq_lens)))) if balanced else sizes.in_order()
+
+
+def estimated_step_cost(
+    seq_lens: list[int],
+    assignment: list[list[int]],
+    *,
+    num_patches: list[int] | None = None,
+    max_tokens: int = 0,
+    max_patches: int = 0,
+) -> float:
+    """Σ over micro-batch positions of the costliest rank's micro-batch there, every rank's
+    samples planned ``balanced``: the ranks wait for each other at every micro-batch."""
+    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
+    plans = [[sizes.cost(group) for group in sizes.balanced(indices)] for indices in assignment]
+    return sum(max(plan[k] if k < len(plan) else 0.0 for plan in plans) for k in range(max(map(len, plans))))
+
+
+def assign_to_ranks(
+    seq_lens: list[int],
+    num_ranks: int,
+    *,
+    num_patches: list[int] | None = None,
+    max_tokens: int = 0,
+    max_patches: int = 0,
+    fallback: list[list[int]] | None = None,
+) -> list[list[int]]:
     """Per rank, the sample indices it gets, ascending; every index exactly once.
 
-    Greedy longest-processing-time: samples in decreasing cost (ties: lower index first) go
-    to the currently least-loaded rank (ties: lower rank). Its slowest rank is within 4/3 of
-    the best possible (Graham 1969). When the contiguous split is at least as balanced, that
-    split is returned instead, so balancing never makes a step slower by this cost model.
+    The whole mini-batch is planned as ``plan_microbatches(balanced=True)`` would, into a
+    multiple of ``num_ranks`` micro-batches; they are dealt out in rounds of ``num_ranks``,
+    costliest first, the round's costliest to the rank with the least cost so far (ties: lower
+    rank). Every rank thus gets as many micro-batches' worth of samples, of about the same cost
+    position by position. Without budgets that is one bin per rank: greedy
+    longest-processing-time (within 4/3 of the best slowest rank, Graham 1969). With at least
+    ``num_ranks`` samples of positive cost every rank gets one.
 
-    Ranks may get different numbers of samples. With positive costs and at least
-    ``num_ranks`` samples every rank gets at least one (the first ``num_ranks`` samples placed
-    all land on empty ranks). Within a rank, samples keep their global order.
+    When ``fallback`` (default: the contiguous split) has an ``estimated_step_cost`` no higher,
+    it is returned instead, so balancing never makes a step slower by this cost model.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
-    if not all(math.isfinite(cost) and cost >= 0 for cost in costs):
-        raise ValueError(f"sample costs must be finite and >= 0, got {costs}")
-    contiguous = contiguous_split(len(costs), num_ranks)
+    fallback = fallback if fallback is not None else contiguous_split(len(seq_lens), num_ranks)
     if num_ranks == 1:
-        return contiguous
-    heap = [(0.0, rank) for rank in range(num_ranks)]
+        return fallback
+    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
+    bins = sizes.balanced(list(range(len(seq_lens))), multiple_of=num_ranks)
     assignment: list[list[int]] = [[] for _ in range(num_ranks)]
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        load, rank = heapq.heappop(heap)
-        assignment[rank].append(index)
-        heapq.heappush(heap, (load + costs[index], rank))
+    loads = [0.0] * num_ranks
+    for start in range(0, len(bins), num_ranks):
+        for group, rank in zip(bins[start : start + num_ranks], sorted(range(num_ranks), key=lambda r: (loads[r], r))):
+            assignment[rank].extend(group)
+            loads[rank] += sizes.cost(group)
     for indices in assignment:
         indices.sort()
-    if max(rank_loads(costs, contiguous)) <= max(rank_loads(costs, assignment)):
-        return contiguous
+    budgets = {"num_patches": num_patches, "max_tokens": max_tokens, "max_patches": max_patches}
+    if estimated_step_cost(seq_lens, fallback, **budgets) <= estimated_step_cost(seq_lens, assignment, **budgets):
+        return fallback
     return assignment

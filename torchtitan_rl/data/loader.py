@@ -93,7 +93,9 @@ class SFTDataLoader(IterableDataset):
     ``global_batch_size`` usable samples and rank ``batch_rank`` keeps the slice
     ``[batch_rank * share, (batch_rank + 1) * share)`` — or, with ``balance_dp_compute``,
     the samples ``data.balance.assign_to_ranks`` gives it by estimated compute (ranks may
-    then get different numbers of samples, each at least one, in global order).
+    then get different numbers of samples, each at least one, in global order), sized for
+    micro-batches of ``max_tokens_per_microbatch`` tokens (and the vision patch budget)
+    packed ``balanced`` as ``EngineOptions.balance_microbatches`` does.
 
     ``vision`` (None for text models) sets how images are sized and normalized; a row with
     images and no ``vision`` is an error. Under the truncate policy a too-long sample is cut
@@ -125,6 +127,7 @@ class SFTDataLoader(IterableDataset):
         balance_dp_compute: bool = False,
         prefetch: bool = False,
         prepare: Callable[[list[Sample]], Any] | None = None,
+        max_tokens_per_microbatch: int = 0,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -152,6 +155,7 @@ class SFTDataLoader(IterableDataset):
         self.share = global_batch_size // batch_degree
         self.vision = vision
         self.balance_dp_compute = balance_dp_compute
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self._planner = RowPlanner(tokenizer, vision)
         self._counter_names = _COUNTERS + (_VISION_COUNTERS if vision is not None else ())
         self._balance_stats: dict[str, float] = {}
@@ -264,9 +268,16 @@ class SFTDataLoader(IterableDataset):
 
     def _assign(self, global_batch: list[PlannedSample]) -> list[list[int]]:
         """Per DP rank, the global-batch indices it trains; records both splits' imbalance."""
-        costs = [sample_cost(len(p.tokens) - 1, p.num_patches) for p in global_batch]
+        seq_lens, num_patches = [len(p.tokens) - 1 for p in global_batch], [p.num_patches for p in global_batch]
+        costs = [sample_cost(n, p) for n, p in zip(seq_lens, num_patches)]
         contiguous = contiguous_split(len(global_batch), self.batch_degree)
-        balanced = assign_to_ranks(costs, self.batch_degree)
+        balanced = assign_to_ranks(
+            seq_lens,
+            self.batch_degree,
+            num_patches=num_patches,
+            max_tokens=self.max_tokens_per_microbatch,
+            max_patches=self.vision.max_patches_per_microbatch if self.vision is not None else 0,
+        )
         chosen = balanced if self.balance_dp_compute else contiguous
         self._balance_stats = {
             "dp_cost_imbalance": imbalance(costs, chosen),
@@ -334,6 +345,7 @@ def build_sft_dataloader(
     balance_dp_compute: bool = False,
     prefetch: bool = False,
     prepare: Callable[[list[Sample]], Any] | None = None,
+    max_tokens_per_microbatch: int = 0,
 ) -> StatefulDataLoader:
     """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
     ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
@@ -350,6 +362,7 @@ def build_sft_dataloader(
         balance_dp_compute=balance_dp_compute,
         prefetch=prefetch,
         prepare=prepare,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
     with warnings.catch_warnings():
         # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does

@@ -1,4 +1,4 @@
-"""Micro-batch plan: pack a rank's samples into token-budgeted, batch-free micro-batches."""
+"""Pack a rank's samples into batch-free micro-batches by a plan (``data.balance.plan_microbatches``)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -136,40 +136,6 @@ TOKEN_PAD_VALUES = {"vision_index": -1}
 OPTIONAL_INPUTS = (*RL_TOKEN_INPUTS, "group_id")
 
 
-def plan_microbatches(
-    seq_lens: list[int], max_tokens: int, num_patches: list[int] | None = None, max_patches: int = 0
-) -> list[list[int]]:
-    """Group sample indices, in order, into micro-batches of at most ``max_tokens`` tokens
-    and at most ``max_patches`` vision patches (of the samples' images, ``num_patches``).
-
-    A budget of 0 means none: with both 0 everything goes into one micro-batch. A sample is
-    never split, so one over a budget is an error. Order is kept so the plan is a pure
-    function of the data (every rank can reason about it).
-    """
-    num_patches = num_patches or [0] * len(seq_lens)
-    budgets = [
-        (max_tokens, "tokens", "training.max_tokens_per_microbatch"),
-        (max_patches, "vision patches", "training.max_patches_per_microbatch"),
-    ]
-    for i, sizes in enumerate(zip(seq_lens, num_patches)):
-        for size, (budget, what, key) in zip(sizes, budgets):
-            if budget and size > budget:
-                raise ValueError(
-                    f"a sample of {size} {what} exceeds {key}={budget} (sample {i} of this rank's "
-                    f"{len(seq_lens)}; samples are never split)"
-                )
-    plan: list[list[int]] = []
-    used = [0, 0]
-    for i, sizes in enumerate(zip(seq_lens, num_patches)):
-        fits = all(not budget or u + size <= budget for u, size, (budget, _, _) in zip(used, sizes, budgets))
-        if not plan or not fits:
-            plan.append([])
-            used = [0, 0]
-        plan[-1].append(i)
-        used = [u + size for u, size in zip(used, sizes)]
-    return plan
-
-
 def pack(
     samples: list[Sample], pad_multiple: int = 1, inputs: tuple[str, ...] = (), vision: VisionPacking | None = None
 ) -> MicroBatch:
@@ -275,7 +241,7 @@ def build_microbatches(
     inputs: tuple[str, ...] = (),
     vision: VisionPacking | None = None,
 ) -> list[MicroBatch]:
-    """Pack ``samples`` by ``plan`` (see plan_microbatches), then pad with filler up to ``num_microbatches``."""
+    """Pack ``samples`` by ``plan`` (``data.balance.plan_microbatches``), then pad with filler up to ``num_microbatches``."""
     assert len(plan) <= num_microbatches
     packed = [pack([samples[i] for i in group], pad_multiple, inputs, vision) for group in plan]
     return packed + [padding_microbatch(pad_multiple, inputs, vision) for _ in range(num_microbatches - len(plan))]

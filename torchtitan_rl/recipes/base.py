@@ -199,6 +199,7 @@ def build_engine(
         logits_chunk_size=job_config.loss.logits_chunk_size,
         max_norm=t.max_norm,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        balance_microbatches=t.balance_dp_compute,
         temperature=temperature,
         vision=vision_packing(model_args),
         max_patches_per_microbatch=t.max_patches_per_microbatch,

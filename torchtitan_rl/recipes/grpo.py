@@ -218,6 +218,7 @@ class GRPORecipe(Recipe):
                 batch_rank=self.parallel_dims.batch_rank(),
                 batch_degree=self.parallel_dims.batch_degree,
                 balance_dp_compute=t.balance_dp_compute,
+                max_tokens_per_microbatch=t.max_tokens_per_microbatch,
             )
         )
         logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
@@ -281,7 +282,10 @@ class GRPORecipe(Recipe):
         # Before the reference and pi_old forwards, so that they are balanced too.
         with _timed(times, "balance"):
             minibatches, balance_stats = balance_over_data_parallel(
-                minibatches, dims.mesh("batch"), cfg.training.balance_dp_compute
+                minibatches,
+                dims.mesh("batch"),
+                cfg.training.balance_dp_compute,
+                cfg.training.max_tokens_per_microbatch,
             )
         values.update({f"data/{key}": value for key, value in balance_stats.items()})
 

@@ -199,7 +199,9 @@ def to_samples(groups: list[ScoredGroup], max_len: int, mask_truncated: bool = F
 SampleKey = tuple[int, int]
 
 
-def plan_dp_balance(lengths: list[list[list[int]]], balance: bool) -> tuple[list[list[list[SampleKey]]], dict]:
+def plan_dp_balance(
+    lengths: list[list[list[int]]], balance: bool, max_tokens: int = 0
+) -> tuple[list[list[list[SampleKey]]], dict]:
     """Which samples every data-parallel rank trains in every mini-batch, and how even the work is.
 
     ``lengths[r][m]`` are the token counts of rank r's samples of mini-batch m, i.e. of the
@@ -212,8 +214,9 @@ def plan_dp_balance(lengths: list[list[list[int]]], balance: bool) -> tuple[list
     and of the balanced split (``_balanced``): Σ over mini-batches of the slowest rank's
     ``data.balance.sample_cost`` over Σ of the mean rank cost, since every update waits for its
     slowest rank (1.0 is even; with one mini-batch, SFT's max / mean). With ``balance`` every
-    mini-batch is split by ``assign_to_ranks`` over its global order, unless the own shares are
-    at least as even (then nothing moves). A pure function of ``lengths``: every rank computes
+    mini-batch is split by ``assign_to_ranks`` over its global order, for micro-batches of
+    ``max_tokens`` tokens, unless the own shares have no higher estimated step cost (then
+    nothing moves). A pure function of ``lengths``: every rank computes
     the same plan. The gradient does not depend on it (docs/design.md, 'Loss weights'; group
     ids are global prompt slots, so ``prompt_mean`` counts a group spread over ranks whole).
     """
@@ -225,9 +228,7 @@ def plan_dp_balance(lengths: list[list[list[int]]], balance: bool) -> tuple[list
         keys = [(r, i) for r in range(num_ranks) for i in range(len(lengths[r][m]))]
         costs = [sample_cost(lengths[r][m][i]) for r, i in keys]
         own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(num_ranks)]
-        balanced = assign_to_ranks(costs, num_ranks)
-        if max(rank_loads(costs, own)) <= max(rank_loads(costs, balanced)):
-            balanced = own
+        balanced = assign_to_ranks([lengths[r][m][i] for r, i in keys], num_ranks, max_tokens=max_tokens, fallback=own)
         chosen = balanced if balance else own
         for suffix, split in (("", chosen), ("_contiguous", own), ("_balanced", balanced)):
             slowest[suffix] += max(rank_loads(costs, split))
@@ -292,10 +293,11 @@ def assemble_minibatches(
 
 
 def balance_over_data_parallel(
-    minibatches: list[list[Sample]], batch_mesh: DeviceMesh | None, balance: bool
+    minibatches: list[list[Sample]], batch_mesh: DeviceMesh | None, balance: bool, max_tokens: int = 0
 ) -> tuple[list[list[Sample]], dict]:
     """This rank's samples of every mini-batch after compute balancing (``plan_dp_balance``) over
-    the ``batch`` mesh, and the step's imbalance stats (computed with balancing off too).
+    the ``batch`` mesh for micro-batches of ``max_tokens`` tokens, and the step's imbalance
+    stats (computed with balancing off too).
 
     Two host collectives per step, all mini-batches at once: an object all-gather of the sample
     lengths (a few ints per sample; every rank then derives the same plan), then, only when
@@ -308,10 +310,10 @@ def balance_over_data_parallel(
     """
     local = [[len(sample) for sample in mb] for mb in minibatches]
     if batch_mesh is None:
-        return minibatches, plan_dp_balance([local], balance)[1]
+        return minibatches, plan_dp_balance([local], balance, max_tokens)[1]
     lengths: list = [None] * batch_mesh.size()
     dist.all_gather_object(lengths, local, group=batch_mesh.get_group())
-    plan, stats = plan_dp_balance(lengths, balance)
+    plan, stats = plan_dp_balance(lengths, balance, max_tokens)
     if not any(_moved_from(plan, source) for source in range(len(lengths))):
         return minibatches, stats  # every rank knows that nothing moves: no second collective
     rank = batch_mesh.get_local_rank()
