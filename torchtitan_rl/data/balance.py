@@ -115,6 +115,10 @@ class _Sizes:
     def cost(self, indices: list[int]) -> float:
         return sum(self.costs[i] for i in indices)
 
+    def step_cost(self, assignment: list[list[int]]) -> float:
+        plans = [[self.cost(group) for group in self.balanced(indices)] for indices in assignment]
+        return sum(max(plan[k] if k < len(plan) else 0.0 for plan in plans) for k in range(max(map(len, plans))))
+
     def _first_fit(self, order: list[int]) -> list[list[int]]:
         bins: list[list[int]] = []
         loads: list[tuple[int, int]] = []
@@ -174,9 +178,7 @@ def estimated_step_cost(
 ) -> float:
     """Σ over micro-batch positions of the costliest rank's micro-batch there, every rank's
     samples planned ``balanced``: the ranks wait for each other at every micro-batch."""
-    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
-    plans = [[sizes.cost(group) for group in sizes.balanced(indices)] for indices in assignment]
-    return sum(max(plan[k] if k < len(plan) else 0.0 for plan in plans) for k in range(max(map(len, plans))))
+    return _Sizes(seq_lens, num_patches, max_tokens, max_patches).step_cost(assignment)
 
 
 def assign_to_ranks(
@@ -216,7 +218,6 @@ def assign_to_ranks(
             loads[rank] += sizes.cost(group)
     for indices in assignment:
         indices.sort()
-    budgets = {"num_patches": num_patches, "max_tokens": max_tokens, "max_patches": max_patches}
-    if estimated_step_cost(seq_lens, fallback, **budgets) <= estimated_step_cost(seq_lens, assignment, **budgets):
+    if sizes.step_cost(fallback) <= sizes.step_cost(assignment):
         return fallback
     return assignment
