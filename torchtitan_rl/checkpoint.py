@@ -191,8 +191,14 @@ class CheckpointManager:
         model_args,
         tokenizer_dir: str = "",
         extra_models: dict[str, torch.nn.Module] | None = None,
+        extra_states: dict[str, Stateful] | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ):
+        """``extra_states``: more of the training state, e.g. rollouts generated ahead.
+        ``process_group``: the ranks that save and load (the training ranks when GRPO has
+        rollout ranks); None is the whole launch."""
         self.config = config
+        self.group = process_group
         self.folder = os.path.join(dump_folder, config.folder)
         self.model = model
         self.model_args = model_args
@@ -207,6 +213,7 @@ class CheckpointManager:
             "rng": _RNGState(),
             # e.g. RL's frozen reference policy: part of the training state, not of the model.
             **{name: _ModelState(m) for name, m in (extra_models or {}).items()},
+            **(extra_states or {}),
         }
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Future | None = None
@@ -214,7 +221,12 @@ class CheckpointManager:
         # interleave with the training step's collectives on the default group.
         self._async_group = None
         if config.enable and config.async_mode == "async" and dist.is_initialized():
-            self._async_group = dist.new_group(backend="gloo")
+            if process_group is None:
+                self._async_group = dist.new_group(backend="gloo")
+            else:
+                # Only the members create it: the other ranks of the launch never save.
+                ranks = dist.get_process_group_ranks(process_group)
+                self._async_group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
 
     # ------------------------------------------------------------------ loading
 
@@ -259,12 +271,17 @@ class CheckpointManager:
         check_dcp_files(path)
         states = {"model": self.states["model"]} if model_only else self.states
         try:
-            dcp.load(states, checkpoint_id=path, no_dist=not dist.is_initialized())
+            dcp.load(states, checkpoint_id=path, process_group=self.group, no_dist=not dist.is_initialized())
         except CheckpointException as err:
             raise ValueError(f"could not load checkpoint {path}: {_unwrap(err)}") from None
         logger.info("loaded %s from %s", "model weights" if model_only else "the training state", path)
 
     # ------------------------------------------------------------------ saving
+
+    def will_save(self, step: int, last: bool) -> bool:
+        """Whether ``maybe_save(step, last)`` saves the whole training state."""
+        saves = self.config.enable and (last or step % self.config.interval == 0)
+        return saves and not (last and self.config.last_save_model_only)
 
     def maybe_save(self, step: int, last: bool) -> None:
         if not self.config.enable or not (last or step % self.config.interval == 0):
@@ -284,11 +301,15 @@ class CheckpointManager:
             "format": "hf" if (model_only and self.config.last_save_in_hf) else "dcp",
             "model_name": spec_for_args(self.model_args).name,
             "model_args": dataclasses.asdict(self.model_args),
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "world_size": dist.get_world_size(self.group) if dist.is_initialized() else 1,
         }
         if description["format"] == "hf":
             save_hf_checkpoint(
-                self.model, partial, _EXPORT_DTYPES[self.config.export_dtype], self.tokenizer_dir or None
+                self.model,
+                partial,
+                _EXPORT_DTYPES[self.config.export_dtype],
+                self.tokenizer_dir or None,
+                group=self.group,
             )
             self._commit(partial, final, description)
             return
@@ -319,7 +340,7 @@ class CheckpointManager:
             written.add_done_callback(commit_when_written)
             self._pending = committed
             return
-        dcp.save(states, checkpoint_id=partial, no_dist=not dist.is_initialized())
+        dcp.save(states, checkpoint_id=partial, process_group=self.group, no_dist=not dist.is_initialized())
         self._commit(partial, final, description)
 
     def _commit(self, partial: str, final: str, description: dict) -> None:
@@ -358,4 +379,4 @@ class CheckpointManager:
 
     def _barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.group)

@@ -91,11 +91,12 @@ def save_hf_checkpoint(
     dtype: torch.dtype,
     tokenizer_dir: str | None = None,
     max_shard_bytes: int = 5 * 2**30,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
     """Export ``model`` as an HF directory at ``path`` (which must not exist): a
     ``Qwen3ForCausalLM``, or a ``Mistral3ForConditionalGeneration`` for the VLM.
 
-    Collective: every rank calls it; parameters are gathered one shard file at a time and global
+    Collective: every rank of ``group`` (default: the launch) calls it; parameters are gathered one shard file at a time and global
     rank 0 writes, so it holds at most one file's worth of tensors. Weights are cast to
     ``dtype``, written as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
     with ``model.safetensors.index.json``, next to ``config.json`` and the tokenizer files of
@@ -106,7 +107,7 @@ def save_hf_checkpoint(
     if dist.is_initialized():
         # Rank 0 may finish the export before a slow rank checked the target: under HSDP each
         # replica group gathers on its own, so nothing else holds rank 0 back.
-        dist.barrier()
+        dist.barrier(group=group)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
     reshard(model)
     tensors = _hf_sources(model)
@@ -126,7 +127,7 @@ def save_hf_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if dist.is_initialized():
-        dist.barrier()  # callers on any rank may read the export once this returns
+        dist.barrier(group=group)  # callers on any rank may read the export once this returns
 
 
 def _hf_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:

@@ -11,17 +11,29 @@
   and the correction has a real mismatch to correct.
 - Resume: a run restarted from its mid-run checkpoint logs exactly the uninterrupted run's
   numbers.
+- Rollout ranks (from the layout runs' start): 1 trainer + 1 rollout rank and dp=2 + 1 rollout
+  rank at staleness 0 log the colocated single rank's numbers (1e-4); at staleness 2, dp=2 and
+  dp=1 x tp=2 trainers log the same numbers, every trained batch lags at most 2 steps and some
+  lag exactly 2; resuming that run from its mid-run checkpoint (rollouts in flight saved)
+  reproduces it; a rollout rank killed or stopped ends the launch with an error naming it.
 """
 
+import os
+import pickle
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from reference import launch_env
 from torchtitan_rl.checkpoint import step_folders
+from torchtitan_rl.rl.rollout_ranks import staleness
 from torchtitan_rl.tensorboard_io import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
@@ -122,6 +134,15 @@ def layout_runs(tmp_path_factory) -> dict:
         "--parallelism.tensor_parallel_degree 2",
     )
     assert off_vs_tp.returncode == 0, off_vs_tp.stdout[-4000:] + off_vs_tp.stderr[-4000:]
+    options = [*LAYOUT_OPTIONS.split(), "--checkpoint.initial_load_path", str(start)]
+    for name, num_ranks, extra in ASYNC_RUNS:
+        launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
+    resumed = out / "async_resumed"
+    shutil.copytree(out / "async_k2_dp2", resumed)
+    shutil.rmtree(resumed / "checkpoint" / f"step-{LAYOUT_STEPS}")
+    shutil.rmtree(resumed / "tb")
+    resumed_log = launch(resumed, 3, *options, "--training.steps", str(LAYOUT_STEPS), *ASYNC_K2, *ASYNC_CHECKPOINTS)
+    assert f"resuming after step {ASYNC_SAVED}" in resumed_log
     return {
         name: read_scalars(str(out / folder / "tb"))
         for name, folder in (
@@ -129,8 +150,48 @@ def layout_runs(tmp_path_factory) -> dict:
             ("dp2", "dp2/test"),
             ("dp2_off", "dp2_tp2/baseline"),
             ("dp2_tp2", "dp2_tp2/test"),
+            *((name, f"{name}") for name, _, _ in ASYNC_RUNS),
+            ("async_resumed", "async_resumed"),
         )
-    } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text()}
+    } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
+
+
+ROLLOUT_RANK = ("--parallelism.rollout_ranks", "1")
+ASYNC_K2 = (*ROLLOUT_RANK, "--rl.max_staleness", "2")
+ASYNC_SAVED = 2  # the resumed run starts after this step, with the rollouts of steps 3.. in flight
+ASYNC_CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", str(ASYNC_SAVED))
+# (name, launched ranks, options): the last rank generates.
+ASYNC_RUNS = (
+    ("async_k0_one", 2, ROLLOUT_RANK),
+    ("async_k0_dp2", 3, ROLLOUT_RANK),
+    ("async_k2_dp2", 3, (*ASYNC_K2, *ASYNC_CHECKPOINTS)),
+    ("async_k2_tp2", 3, (*ASYNC_K2, "--parallelism.tensor_parallel_degree", "2")),
+)
+
+
+def launch(dump: Path, num_ranks: int, *options: str, timeout: int = 600) -> str:
+    """``train.py`` with the GRPO layout recipe on ``num_ranks`` ranks; its output."""
+    proc = subprocess.run(
+        torchrun(num_ranks, dump, *options), cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout + proc.stderr
+
+
+def torchrun(num_ranks: int, dump: Path, *options: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={num_ranks}",
+        str(REPO / "train.py"),
+        "--job.config_file",
+        RECIPE,
+        "--job.dump_folder",
+        str(dump),
+        *options,
+    ]
 
 
 def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs):
@@ -146,7 +207,53 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
     assert max(baseline["rl/groups_mixed"].values()) > 0
     assert min(baseline["grad_norm"].values()) > 0 and max(baseline["rl/kl"].values()) > 0
     assert "rl/rollout_corr/kl_k3" in baseline  # the correction ran
-    assert "on 4 rank(s)" in layout_runs["tp_log"]
+    assert "on 4 training rank(s)" in layout_runs["tp_log"]
+
+
+@pytest.mark.parametrize("layout", ["async_k0_one", "async_k0_dp2"])
+def test_rollout_ranks_at_staleness_0_log_the_colocated_numbers(layout_runs, layout):
+    baseline, test = layout_runs["one"], layout_runs[layout]
+    for tag in (*LAYOUT_TAGS, "rl/pass@1", "rl/groups_mixed", "rl/sampler_logprob_diff_mean"):
+        assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), tag
+        for step, value in baseline[tag].items():
+            assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    assert set(test["rl/staleness_max"].values()) == {0.0}
+    assert set(test["rl/dropped_stale"].values()) == {0.0}
+    # Weights went out after every step whose weights generate a later one.
+    assert sorted(test["comm/weight_sync_bytes"]) == list(range(1, LAYOUT_STEPS))
+    assert min(test["comm/weight_sync_bytes"].values()) > 0
+
+
+def test_rollout_ranks_at_staleness_2_are_exact_across_training_layouts_and_resume(layout_runs):
+    dp2, tp2, resumed = layout_runs["async_k2_dp2"], layout_runs["async_k2_tp2"], layout_runs["async_resumed"]
+    for tag in (*LAYOUT_TAGS, "rl/staleness_mean", "rl/staleness_max"):
+        assert sorted(dp2[tag]) == list(range(1, LAYOUT_STEPS + 1)), tag
+        for step, value in dp2[tag].items():
+            assert tp2[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+            if step > ASYNC_SAVED:
+                assert resumed[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    # Step t is generated with the weights after step max(0, t - 3): lags 0, 1, 2.
+    assert dp2["rl/staleness_max"] == {step: float(min(step - 1, 2)) for step in range(1, LAYOUT_STEPS + 1)}
+    # Stale rollouts differ from the colocated run's: the schedule really lagged.
+    one = layout_runs["one"]["rl/reward_mean"]
+    assert dp2["rl/reward_mean"][1] == pytest.approx(one[1], rel=1e-4)
+    assert any(dp2["rl/reward_mean"][s] != pytest.approx(one[s], rel=1e-4) for s in range(2, LAYOUT_STEPS + 1))
+
+
+def test_a_rollout_checkpoint_holds_the_rollouts_in_flight(layout_runs):
+    saved = layout_runs["out"] / "async_k2_dp2" / "checkpoint" / f"step-{ASYNC_SAVED}"
+    batches = read_in_flight(saved)
+    # After step 2 with K = 2 the rollout ranks had generated steps 3.. (the run has 3 steps).
+    assert [b.step for b in batches] == list(range(ASYNC_SAVED + 1, LAYOUT_STEPS + 1))
+    for batch in batches:
+        assert 0 <= staleness(batch.step, batch.version) <= 2
+        assert all(r.version == batch.version for g in batch.kept for r in g.rollouts)
+
+
+def read_in_flight(checkpoint: Path) -> list:
+    state = {"rollouts": {"in_flight": b""}}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return pickle.loads(state["rollouts"]["in_flight"])
 
 
 def test_balancing_lowers_the_logged_dp_cost_imbalance(layout_runs):
@@ -223,7 +330,7 @@ def run(dump: Path, *extra: str) -> str:
 def uninterrupted(tmp_path_factory) -> Path:
     dump = tmp_path_factory.mktemp("grpo") / "uninterrupted"
     log = run(dump)
-    assert "SFT warm-up: 500 steps" in log and "on 2 rank(s)" in log
+    assert "SFT warm-up: 500 steps" in log and "on 2 training rank(s)" in log
     assert sorted(step_folders(str(dump / "checkpoint"))) == [INTERVAL, STEPS]
     return dump
 
@@ -250,3 +357,72 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(uninterrupted, tmp_path
     for tag in EXACT_TAGS:
         expected = {s: v for s, v in want[tag].items() if s > INTERVAL}
         assert expected and got[tag] == expected, tag
+
+
+# ------------------------------------------------------------------ a rollout rank fails
+
+FAULT_BOUND_S = 90  # from the fault to the launch's end
+
+
+def rank_pid(parent: int, rank: int) -> int | None:
+    """The pid of the child of ``parent`` (a torchrun agent) that runs ``rank``, if started."""
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if parent_pid == parent and f"RANK={rank}".encode() in env:
+            return int(entry)
+    return None
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+def test_a_rollout_rank_that_dies_or_hangs_ends_the_launch_naming_it(tmp_path, fault):
+    cmd = torchrun(
+        2,
+        tmp_path / "run",
+        "--rl.sft_warmup_steps",
+        "0",
+        "--rl.eval_interval",
+        "0",
+        "--training.steps",
+        "1000",
+        "--metrics.enable_tensorboard",
+        "false",
+        "--comm.rollout_timeout_seconds",
+        "10",
+        *ROLLOUT_RANK,
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = []
+    try:
+        for line in proc.stdout:  # until the trainer has trained on the rollout rank's rollouts
+            lines.append(line)
+            if "step: 2 " in line:
+                break
+        rollout_pid = rank_pid(proc.pid, 1)
+        assert rollout_pid is not None, "".join(lines[-50:])
+        os.kill(rollout_pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        start = time.monotonic()
+        for line in proc.stdout:
+            lines.append(line)
+            if fault == "stopped" and "sent no rollouts" in line:
+                os.kill(rollout_pid, signal.SIGCONT)  # so that torchrun's SIGTERM ends it at once
+        proc.wait(timeout=FAULT_BOUND_S)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+    output = "".join(lines)
+    assert proc.returncode != 0 and elapsed < FAULT_BOUND_S, output[-4000:]
+    if fault == "killed":
+        # torchrun's report of the first failure names the rank and its signal.
+        root_cause = output[output.index("Root Cause") :]
+        assert re.search(r"rank\s*: 1 \(local_rank: 1\)\s*exitcode\s*: -9", root_cause), output[-4000:]
+    else:
+        assert "rollout rank 1 sent no rollouts of step" in output, output[-4000:]
+        assert "comm.rollout_timeout_seconds=10" in output, output[-4000:]

@@ -206,7 +206,7 @@ class Training:
 
 @dataclass
 class Parallelism:
-    """Device mesh degrees; their product must equal the world size."""
+    """Device mesh degrees; their product must equal the world size (less the rollout ranks)."""
 
     data_parallel_replicate_degree: int = bounded(1, ge=1)
     """HSDP replicate degree (parameters replicated, gradients summed)."""
@@ -228,6 +228,12 @@ class Parallelism:
     expert_parallel_degree: int = bounded(1, ge=1)
     """Expert parallel (MoE experts split over ranks). Not supported yet: experts are
     FSDP-sharded over dp_shard x cp x tp; only 1 is accepted."""
+
+    rollout_ranks: int = bounded(0, ge=0)
+    """GRPO: reserve the last N ranks of the launch for generation (0 = colocated: every rank
+    trains and generates). The other ranks train with the degrees above (their product is the
+    world size minus N); after each RL step they broadcast the weights to the rollout ranks,
+    which generate the next steps' rollouts meanwhile (rl.max_staleness)."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Which FSDP-sharded blocks free their gathered parameters after forward (backward then
@@ -472,6 +478,18 @@ class RL:
     cover every group generated in the step; rl/dynamic_sampling/rounds counts the rounds drawn
     and rl/dynamic_sampling/groups_with_signal the groups with signal they found."""
 
+    max_staleness: int = bounded(0, ge=0)
+    """With parallelism.rollout_ranks: how many RL steps the weights that generate a step's
+    rollouts may lag behind the policy that trains on them. The rollouts of step t are generated
+    with the weights after step max(start, t - 1 - K) (K this value; start: the step the run
+    started or resumed at), so the rollout ranks generate up to K steps ahead while the trainers
+    train; 0 is synchronous (the same numbers as the colocated run). The schedule depends on
+    (t, K) only, never on timing. Above 0 the proximal log-probs are recomputed, so the ratio is
+    taken to the policy before the update and rl.rollout_correction weights the gap to the
+    sampler's weights (decoupled PPO). Logged: rl/staleness_mean, rl/staleness_max (in steps,
+    over the trained rollouts) and rl/dropped_stale (rollout batches dropped for lagging more
+    than K, which only a resume with a smaller K meets: they are generated again)."""
+
     max_sampling_rounds: int = bounded(3, ge=1)
     """Most rounds of rl.dynamic_sampling per step. When they find fewer groups with signal than
     rl.prompts_per_step, the step trains on those (a warning is logged)."""
@@ -626,6 +644,11 @@ class Comm:
 
     init_timeout_seconds: int = bounded(300, gt=0)
     """Timeout for process-group initialization and collectives."""
+
+    rollout_timeout_seconds: int = bounded(600, gt=0)
+    """With parallelism.rollout_ranks: how long a trainer waits for a step's rollouts, and a
+    rollout rank for the trainers' next message, before the run stops with an error naming the
+    silent side (a rank that died stops the launch at once through torchrun)."""
 
 
 @dataclass

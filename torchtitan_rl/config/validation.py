@@ -180,6 +180,8 @@ def _check_recipe(cfg) -> None:
             unused = _non_default(getattr(cfg, name))
             if unused:
                 raise ValueError(f"{name}.{unused[0]}: only used with job.recipe = 'grpo'")
+        if cfg.parallelism.rollout_ranks:
+            raise ValueError("parallelism.rollout_ranks: only used with job.recipe = 'grpo'")
         return
     training_defaults = type(cfg.training)()
     unused = [key for key in _SFT_DATA_KEYS if getattr(cfg.training, key) != getattr(training_defaults, key)]
@@ -221,6 +223,11 @@ def _check_recipe(cfg) -> None:
     if rl.prompts_per_step % rl.num_minibatches != 0:
         raise ValueError(
             f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
+        )
+    if rl.max_staleness and not cfg.parallelism.rollout_ranks:
+        raise ValueError(
+            f"rl.max_staleness={rl.max_staleness}: generating ahead of the trainers needs ranks of its own; set "
+            "parallelism.rollout_ranks >= 1 (the colocated run is synchronous)"
         )
     _check_rollout_correction(rl)
     _check_dapo(rl, generation)

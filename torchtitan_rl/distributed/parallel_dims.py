@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Order matters: the innermost (last) dims are the ones whose ranks are neighbours, so TP,
@@ -25,12 +27,17 @@ _FLATTENED = {
 
 @dataclass
 class ParallelDims:
+    """The training ranks' degrees. ``world_size`` counts the training ranks: the launch's first
+    ``world_size`` ranks; the ``num_rollout_ranks`` after them only generate (GRPO)."""
+
     dp_replicate: int
     dp_shard: int
     cp: int
     tp: int
     world_size: int
+    num_rollout_ranks: int = 0
     _meshes: dict[str, DeviceMesh | None] = field(default_factory=dict, init=False, repr=False)
+    _trainer_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self._validate()
@@ -48,10 +55,16 @@ class ParallelDims:
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"{names['dp_shard']} must be -1 or >= 1, got {self.dp_shard}")
         others = self.dp_replicate * self.cp * self.tp
+        world = (
+            f"the number of training ranks {self.world_size} (the world size less parallelism.rollout_ranks="
+            f"{self.num_rollout_ranks})"
+            if self.num_rollout_ranks
+            else f"the world size {self.world_size}"
+        )
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ValueError(
-                    f"world size {self.world_size} is not divisible by {names['dp_replicate']} "
+                    f"{world} is not divisible by {names['dp_replicate']} "
                     f"({self.dp_replicate}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) "
                     f"= {others}; cannot infer {names['dp_shard']} = -1"
                 )
@@ -60,7 +73,7 @@ class ParallelDims:
             raise ValueError(
                 f"{names['dp_replicate']} ({self.dp_replicate}) * {names['dp_shard']} ({self.dp_shard}) "
                 f"* {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) = {others * self.dp_shard} "
-                f"does not equal the world size {self.world_size}"
+                f"does not equal {world}"
             )
 
     @property
@@ -72,12 +85,26 @@ class ParallelDims:
     def fsdp_degree(self) -> int:
         return self.dp_shard * self.cp
 
+    @property
+    def is_trainer(self) -> bool:
+        """Whether this process is a training rank (not a rollout rank)."""
+        return not dist.is_initialized() or dist.get_rank() < self.world_size
+
+    def trainer_group(self) -> dist.ProcessGroup | None:
+        """The training ranks' group for collectives that are not on a mesh (checkpoints,
+        evaluation sums); None when they are the whole launch (the default group)."""
+        return self._trainer_group
+
     def build_meshes(self, device_type: str) -> None:
-        """Create the world mesh and its named sub-meshes; dims of size 1 get no group.
+        """Create the training ranks' mesh and its named sub-meshes; dims of size 1 get no group.
 
         Exception: HSDP without sharding (dp_replicate > 1, dp_shard * cp == 1) keeps a
         size-1 ``dp_shard`` dim because FSDP2 expresses replication as a 2-D mesh.
+        Every rank of the launch calls this, rollout ranks included: creating a group is
+        collective over the launch.
         """
+        if self.num_rollout_ranks:
+            self._trainer_group = dist.new_group(list(range(self.world_size)))
         sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
         keep = [d for d in _MESH_DIMS if sizes[d] > 1]
         if self.dp_replicate > 1 and self.fsdp_degree == 1:
@@ -85,7 +112,12 @@ class ParallelDims:
         if not keep:
             self._meshes = {name: None for name in (*_MESH_DIMS, *_FLATTENED)}
             return
-        world = init_device_mesh(device_type, tuple(sizes[d] for d in keep), mesh_dim_names=tuple(keep))
+        shape = tuple(sizes[d] for d in keep)
+        if self.num_rollout_ranks:
+            # The training ranks are a prefix of the launch; rollout ranks hold no coordinate.
+            world = DeviceMesh(device_type, torch.arange(self.world_size).view(shape), mesh_dim_names=tuple(keep))
+        else:
+            world = init_device_mesh(device_type, shape, mesh_dim_names=tuple(keep))
         meshes: dict[str, DeviceMesh | None] = {d: (world[d] if d in keep else None) for d in _MESH_DIMS}
         for name, dims in _FLATTENED.items():
             present = tuple(d for d in dims if d in keep and sizes[d] > 1)

@@ -1,14 +1,18 @@
 """Recipes: what ``train.py`` runs, picked by ``job.recipe``."""
 
-from torchtitan_rl.recipes.base import Recipe
-from torchtitan_rl.recipes.grpo import GRPORecipe
+from collections.abc import Callable
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.recipes.grpo import build_grpo
 from torchtitan_rl.recipes.sft import SFTRecipe
 
-RECIPES: dict[str, type[Recipe]] = {"sft": SFTRecipe, "grpo": GRPORecipe}
-"""``job.recipe`` -> the recipe class; a new recipe registers here (and in ``job.recipe``'s choices)."""
+RECIPES: dict[str, Callable[[JobConfig], object]] = {"sft": SFTRecipe, "grpo": build_grpo}
+"""``job.recipe`` -> what builds this rank's part of the run from the config: an object with
+``setup()``, ``train()`` and ``close()`` (a ``Recipe``; for GRPO on a rollout rank, a
+``RolloutWorker``). A new recipe registers here (and in ``job.recipe``'s choices)."""
 
 
-def get_recipe(name: str) -> type[Recipe]:
+def get_recipe(name: str) -> Callable[[JobConfig], object]:
     if name not in RECIPES:
         raise ValueError(f"job.recipe: unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
     return RECIPES[name]

@@ -42,13 +42,19 @@ logger = logging.getLogger(__name__)
 
 
 def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
+    """The training ranks' degrees in a launch of ``world_size`` ranks (less the rollout ranks)."""
     p = job_config.parallelism
+    if p.rollout_ranks >= world_size:
+        raise ValueError(
+            f"parallelism.rollout_ranks={p.rollout_ranks} leaves no training rank in a launch of {world_size} rank(s)"
+        )
     return ParallelDims(
         dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree,
         cp=p.context_parallel_degree,
         tp=p.tensor_parallel_degree,
-        world_size=world_size,
+        world_size=world_size - p.rollout_ranks,
+        num_rollout_ranks=p.rollout_ranks,
     )
 
 
@@ -317,8 +323,11 @@ class Recipe(ABC):
         self.train_state = TrainState()
         self.checkpointer: CheckpointManager | None = None
 
-    def build_checkpointer(self, dataloader, extra_models: dict | None = None) -> CheckpointManager:
-        """Checkpoints of the engine's state, ``dataloader``'s position and ``extra_models``."""
+    def build_checkpointer(
+        self, dataloader, extra_models: dict | None = None, extra_states: dict | None = None
+    ) -> CheckpointManager:
+        """Checkpoints of the engine's state, ``dataloader``'s position, ``extra_models`` and
+        ``extra_states``."""
         return CheckpointManager(
             self.job_config.checkpoint,
             dump_folder=self.job_config.job.dump_folder,
@@ -330,6 +339,8 @@ class Recipe(ABC):
             model_args=self.model_args,
             tokenizer_dir=self.job_config.model.hf_assets_path,
             extra_models=extra_models,
+            extra_states=extra_states,
+            process_group=self.parallel_dims.trainer_group(),
         )
 
     def setup(self) -> bool:

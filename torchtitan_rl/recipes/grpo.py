@@ -14,10 +14,10 @@ The trainer knows prompts, groups and mini-batches; the engine knows micro-batch
 and devices; the generator knows decoding.
 """
 
-import contextlib
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,26 +40,29 @@ from torchtitan_rl.recipes.base import (
     start_run,
 )
 from torchtitan_rl.rl.advantages import pass_at_k
-from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
-from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
-from torchtitan_rl.rl.length_shaping import shape_overlong
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
+from torchtitan_rl.rl.rollout_ranks import (
+    RolloutClient,
+    WeightSender,
+    build_rollout_topology,
+    is_version_sent,
+    staleness,
+)
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
     balance_over_data_parallel,
-    exchange_among_peers,
-    generate_share,
     is_truncated,
     is_zero_variance,
     rank_prompt_slots,
     rollout_metrics,
     rollout_sums,
-    score_groups,
     split_among_peers,
     to_samples,
 )
-from torchtitan_rl.rl.tasks import Reward, answered_rows, build_task
+from torchtitan_rl.rl.step_sampler import StepSampler, completion_text, timed
+from torchtitan_rl.rl.tasks import Task, answered_rows, build_task
 
 logger = logging.getLogger(__name__)
 
@@ -68,16 +71,100 @@ _BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
 _WARMUP_POOL_SIZE = 4096  # distinct problems of a built-in task for the SFT warm-up, at most
 
 
+@dataclass(frozen=True)
+class TaskData:
+    """A GRPO run's task and its prompts, tokenized and checked."""
+
+    task: Task
+    train_prompts: list[list[int]]
+    eval_prompts: list[list[int]]
+    stop_token_ids: tuple[int, ...]
+
+
+def read_task(run: RunContext) -> TaskData:
+    """The task's prompts, tokenized and checked against the layout and ``training.seq_len``
+    (before any collective)."""
+    cfg = run.job_config
+    rl, generation = cfg.rl, cfg.generation
+    dims = run.parallel_dims
+    per_minibatch = rl.prompts_per_step // rl.num_minibatches
+    if per_minibatch % dims.batch_degree != 0:
+        raise ValueError(
+            f"rl.prompts_per_step={rl.prompts_per_step} / rl.num_minibatches={rl.num_minibatches} = "
+            f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
+            f"{dims.batch_degree} (dp_replicate * dp_shard)"
+        )
+    warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
+    if warmup:
+        check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
+    num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
+    task = build_task(
+        rl.task,
+        path=rl.task_path,
+        num_train=num_train,
+        num_eval=rl.num_eval_prompts,
+        seed=cfg.debug.seed,
+        partial_credit=rl.partial_credit,
+        format_reward=rl.format_reward,
+        answer_match=rl.answer_match,
+    )
+    if warmup and rl.task == "jsonl" and not task.spare_problems:
+        # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
+        raise ValueError(
+            f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task 'jsonl' trains on rows outside "
+            f"the RL pool and the held-out prompts, and rl.num_train_prompts={rl.num_train_prompts} leaves none "
+            f"of the {len(task.train_problems)} candidate rows of {rl.task_path!r}; set "
+            "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
+        )
+    tokenizer = run.tokenizer
+    stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
+    train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.train_problems]
+    eval_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.eval_problems]
+    problems = [*task.train_problems, *task.eval_problems]
+    for problem, prompt in zip(problems, [*train_prompts, *eval_prompts]):
+        if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
+            raise ValueError(
+                f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
+                f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
+            )
+    return TaskData(task, train_prompts, eval_prompts, stop_token_ids)
+
+
+def build_generator(job_config: JobConfig, model_args, device: torch.device) -> TorchGenerator:
+    """An unsharded replica of the policy for sampling."""
+    generation = job_config.generation
+    return TorchGenerator(model_args, device, _GENERATION_DTYPES[generation.dtype], generation.max_prompts_per_batch)
+
+
+def sampling_params(job_config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    g = job_config.generation
+    return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p, stop_token_ids)
+
+
+def build_grpo(job_config: JobConfig):
+    """The GRPO recipe of this rank: a ``GRPORecipe`` on a training rank, a ``RolloutWorker``
+    on a rollout rank (``parallelism.rollout_ranks``)."""
+    run = start_run(job_config)
+    if run.parallel_dims.is_trainer:
+        return GRPORecipe(job_config, run)
+    from torchtitan_rl.recipes.rollout_worker import RolloutWorker  # it builds on this module
+
+    return RolloutWorker(run)
+
+
 class GRPORecipe(Recipe):
-    def __init__(self, job_config: JobConfig):
+    def __init__(self, job_config: JobConfig, run: RunContext | None = None):
         rl, generation = job_config.rl, job_config.generation
         self.correction = RolloutCorrection(
             rl.rollout_correction, rl.rollout_correction_level, rl.rollout_correction_max, rl.rollout_correction_min
         )
         # Later updates move the policy away from the sampler's weights, and a correction needs
         # the policy the update starts from: then pi_prox is recomputed and is the ratio's
-        # denominator, while the sampler's log-probs stay the behaviour policy's.
-        self.recompute_proximal = rl.ppo_epochs > 1 or rl.num_minibatches > 1 or self.correction.mode != "none"
+        # denominator, while the sampler's log-probs stay the behaviour policy's. Stale rollouts
+        # (rl.max_staleness) were sampled by an older policy than the one the update starts from.
+        self.recompute_proximal = (
+            rl.ppo_epochs > 1 or rl.num_minibatches > 1 or self.correction.mode != "none" or rl.max_staleness > 0
+        )
         loss = loss_fn_from_config(job_config.loss)
         self.loss_fn = resolve_loss_fn(
             loss.name,
@@ -88,83 +175,52 @@ class GRPORecipe(Recipe):
             },
             key_prefix="loss.",
         )
-        run = start_run(job_config)
-        self._read_task(run)
+        run = run or start_run(job_config)
+        data = read_task(run)
+        self.task, self.train_prompts, self.eval_prompts = data.task, data.train_prompts, data.eval_prompts
         super().__init__(
             run,
             num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
             temperature=generation.temperature,
         )
-        self.generator = TorchGenerator(
-            self.model_args, self.device, _GENERATION_DTYPES[generation.dtype], generation.max_prompts_per_batch
-        )
-        self.sampling = SamplingParams(
-            generation.max_new_tokens, generation.temperature, generation.top_k, generation.top_p, self.stop_token_ids
-        )
+        dims = self.parallel_dims
+        self.rollout_client = None
+        if dims.num_rollout_ranks:
+            topology = build_rollout_topology(
+                dims.world_size, dims.num_rollout_ranks, self.device.type, job_config.comm.rollout_timeout_seconds
+            )
+            sender = WeightSender(topology, _GENERATION_DTYPES[generation.dtype], self.device)
+            self.rollout_client = RolloutClient(topology, sender, job_config.training.steps, rl.max_staleness)
+        # The trainers' own replica: every rollout when colocated, evaluation only otherwise.
+        needs_replica = self.rollout_client is None or rl.eval_interval > 0
+        self.generator = build_generator(job_config, self.model_args, self.device) if needs_replica else None
+        self.sampling = sampling_params(job_config, data.stop_token_ids)
         self.stream = PromptStream(len(self.train_prompts), rl.prompts_per_step, job_config.debug.seed)
+        self.sampler = None
+        if self.rollout_client is None:
+            self.sampler = StepSampler(
+                job_config, self.task, self.train_prompts, self.tokenizer, self.generator, self.sampling, self.stream
+            )
         self.reference = self._build_reference() if rl.use_reference else None
         extra = {"reference": self.reference.model} if self.reference is not None else None
-        self.checkpointer = self.build_checkpointer(self.stream, extra)
+        rollouts = {"rollouts": self.rollout_client} if self.rollout_client is not None else None
+        self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts)
 
     def setup(self) -> bool:
         """Resume from the latest checkpoint; or, on a fresh run, the SFT warm-up (unless the run
-        starts from a checkpoint of its own) and the reference := the policy RL starts from."""
-        if super().setup():
-            return True
-        if self.job_config.rl.sft_warmup_steps and not self.job_config.checkpoint.initial_load_path:
-            self._sft_warmup()
-        if self.reference is not None:
-            with torch.no_grad():
-                for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
-                    ref.copy_(param)
-        return False
-
-    def _read_task(self, run: RunContext) -> None:
-        """The task's prompts, tokenized and checked against the layout and ``training.seq_len``
-        (before any collective)."""
-        cfg = run.job_config
-        rl, generation = cfg.rl, cfg.generation
-        dims = run.parallel_dims
-        per_minibatch = rl.prompts_per_step // rl.num_minibatches
-        if per_minibatch % dims.batch_degree != 0:
-            raise ValueError(
-                f"rl.prompts_per_step={rl.prompts_per_step} / rl.num_minibatches={rl.num_minibatches} = "
-                f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
-                f"{dims.batch_degree} (dp_replicate * dp_shard)"
-            )
-        warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
-        if warmup:
-            check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
-        num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
-        self.task = build_task(
-            rl.task,
-            path=rl.task_path,
-            num_train=num_train,
-            num_eval=rl.num_eval_prompts,
-            seed=cfg.debug.seed,
-            partial_credit=rl.partial_credit,
-            format_reward=rl.format_reward,
-            answer_match=rl.answer_match,
-        )
-        if warmup and rl.task == "jsonl" and not self.task.spare_problems:
-            # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
-            raise ValueError(
-                f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task 'jsonl' trains on rows outside "
-                f"the RL pool and the held-out prompts, and rl.num_train_prompts={rl.num_train_prompts} leaves none "
-                f"of the {len(self.task.train_problems)} candidate rows of {rl.task_path!r}; set "
-                "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
-            )
-        tokenizer = run.tokenizer
-        self.stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
-        self.train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in self.task.train_problems]
-        self.eval_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in self.task.eval_problems]
-        problems = [*self.task.train_problems, *self.task.eval_problems]
-        for problem, prompt in zip(problems, [*self.train_prompts, *self.eval_prompts]):
-            if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
-                raise ValueError(
-                    f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
-                    f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
-                )
+        starts from a checkpoint of its own) and the reference := the policy RL starts from.
+        Then start the rollout ranks, if any, from the policy RL continues with."""
+        resumed = super().setup()
+        if not resumed:
+            if self.job_config.rl.sft_warmup_steps and not self.job_config.checkpoint.initial_load_path:
+                self._sft_warmup()
+            if self.reference is not None:
+                with torch.no_grad():
+                    for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
+                        ref.copy_(param)
+        if self.rollout_client is not None:
+            self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
+        return resumed
 
     def _build_reference(self) -> Engine:
         """A frozen copy of the policy, sharded like it; used only through ``Engine.forward``."""
@@ -247,7 +303,7 @@ class GRPORecipe(Recipe):
         cfg = self.job_config
         steps = cfg.training.steps
         first = self.train_state.step + 1
-        logger.info("RL steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
+        logger.info("RL steps %d..%d on %d training rank(s)", first, steps, self.parallel_dims.world_size)
         for step in range(first, steps + 1):
             with self.memory_profiler.step(step):
                 values = self.train_step(step)
@@ -263,8 +319,13 @@ class GRPORecipe(Recipe):
                 window_seconds=values["time/step_s"],
                 data_stats={},
             )
+            if self.rollout_client is not None and self.checkpointer.will_save(step, last=step == steps):
+                # The steps the rollout ranks generate before seeing these weights are part of the state.
+                self.rollout_client.receive_until(step + cfg.rl.max_staleness)
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
+        if self.rollout_client is not None:
+            self.rollout_client.finish()
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.job_config
@@ -272,15 +333,19 @@ class GRPORecipe(Recipe):
         dims = self.parallel_dims
         times: dict[str, float] = {}
         start = time.perf_counter()
-        with _timed(times, "weight_sync"):
-            self.generator.update_weights(self.engine.model)
         slots_by_minibatch = rank_prompt_slots(
             rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree
         )
-        kept, values, num_generated = self._rollout_groups(step, [s for mb in slots_by_minibatch for s in mb], times)
+        slots = [s for mb in slots_by_minibatch for s in mb]
+        if self.rollout_client is None:
+            with timed(times, "weight_sync"):
+                self._sync_replica(step - 1)
+            kept, values, num_generated = self._rollout_groups(step, slots, times)
+        else:
+            kept, values, num_generated = self._received_groups(step, slots, times)
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
         # Before the reference and pi_old forwards, so that they are balanced too.
-        with _timed(times, "balance"):
+        with timed(times, "balance"):
             minibatches, balance_stats = balance_over_data_parallel(
                 minibatches,
                 dims.mesh("batch"),
@@ -291,16 +356,16 @@ class GRPORecipe(Recipe):
 
         all_samples = [s for mb in minibatches for s in mb]
         if self.reference is not None:
-            with _timed(times, "reference"):
+            with timed(times, "reference"):
                 for sample, logprobs in zip(all_samples, self.reference.forward(all_samples).logprobs):
                     sample.ref_logprobs = logprobs
         if self.recompute_proximal:
-            with _timed(times, "old_logprobs"):
+            with timed(times, "old_logprobs"):
                 values.update(self._recompute_proximal_logprobs(all_samples))
         if self.correction.mode != "none":
             values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
 
-        with _timed(times, "train"):
+        with timed(times, "train"):
             updates, terms, num_trained = self._update(minibatches)
         values.update(combine_updates(updates) or self._no_update_values())
         if terms:
@@ -310,6 +375,9 @@ class GRPORecipe(Recipe):
             # One update at the sampler's weights: its |logp - logp_sampler| is the mismatch.
             values["rl/sampler_logprob_diff_mean"] = values["rl/logprob_diff_mean"]
             values["rl/sampler_logprob_diff_max"] = values["rl/logprob_diff_max"]
+        if self.rollout_client is not None and is_version_sent(step, cfg.training.steps, rl.max_staleness):
+            with timed(times, "weight_sync"):
+                values["comm/weight_sync_bytes"] = float(self.rollout_client.send_weights(self.engine.model, step))
         values.update({f"time/{phase}_s": seconds for phase, seconds in times.items()})
         values["time/step_s"] = time.perf_counter() - start
         values["throughput/generate_tps"] = num_generated / max(times["generate"], 1e-9)
@@ -317,108 +385,47 @@ class GRPORecipe(Recipe):
         values["tokens/trained"] = float(num_trained)
         return values
 
+    def _sync_replica(self, version: int) -> None:
+        """Load the policy (the weights after step ``version``) into the trainers' replica, unless
+        it holds them already. Collective over the training ranks."""
+        if self.generator.version != version or not self.generator.is_loaded:
+            self.generator.update_weights(self.engine.model, version)
+
     def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
         tokens this rank generated. The metrics cover every group generated in the step (with
         dynamic sampling, of every round), trained or not."""
+        sampled = self.sampler.sample(
+            step, slots, self.parallel_dims.mesh("batch"), self.parallel_dims.mesh("cp_tp"), times, self.rank == 0
+        )
+        values = dict(sampled.values)
+        values.update(self._rollout_metrics(sampled.generated, sampled.kept, self.parallel_dims.mesh("batch")))
+        return sampled.kept, values, sampled.num_generated
+
+    def _received_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
+        """Like ``_rollout_groups``, from the step's batch of the rollout ranks (which holds every
+        slot's groups): its generation time is theirs, ``time/wait_rollouts_s`` what the
+        trainers waited for it."""
+        with timed(times, "wait_rollouts"):
+            batch, num_dropped = self.rollout_client.batch(step)
+        self.stream.load_state_dict(batch.stream_state)
+        times["generate"] = batch.generate_seconds
+        mine = set(slots)
+        values = dict(batch.values)
+        # Every rank holds every group: the metrics need no reduction.
+        values.update(self._rollout_metrics(batch.generated, batch.kept, None))
+        lag = staleness(step, batch.version)
+        values.update(
+            {"rl/staleness_mean": float(lag), "rl/staleness_max": float(lag), "rl/dropped_stale": num_dropped}
+        )
+        return [g for g in batch.kept if g.slot in mine], values, batch.num_generated
+
+    def _rollout_metrics(self, generated: list[ScoredGroup], kept: list[ScoredGroup], mesh) -> dict[str, float]:
         rl = self.job_config.rl
-        batch_mesh = self.parallel_dims.mesh("batch")
-        generated: list[ScoredGroup] = []
-        num_generated = 0
-
-        def draw_round(round_index: int) -> list[ScoredGroup]:
-            nonlocal num_generated
-            groups, num_tokens = self._sample_round(step, round_index, slots, times)
-            generated.extend(groups)
-            num_generated += num_tokens
-            return groups
-
-        values: dict[str, float] = {}
-        if rl.dynamic_sampling:
-
-            def draw_whole_round(round_index: int) -> list[ScoredGroup]:
-                groups = draw_round(round_index)
-                with _timed(times, "signal_exchange"):
-                    return gather_groups_with_signal(groups, batch_mesh)
-
-            selection = select_groups_with_signal(
-                draw_whole_round, rl.prompts_per_step, rl.max_sampling_rounds, warn=self.rank == 0
-            )
-            mine = set(slots)
-            kept = [g for g in selection.groups if g.slot in mine]
-            values["rl/dynamic_sampling/rounds"] = float(selection.num_rounds)
-            values["rl/dynamic_sampling/groups_with_signal"] = float(selection.num_with_signal)
-        else:
-            groups = draw_round(0)
-            kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
         filtering = rl.dynamic_sampling or rl.filter_zero_variance_groups
         num_filtered = sum(is_zero_variance(g) for g in generated) if filtering else 0
         masked = sum(is_truncated(r) for g in kept for r in g.rollouts) if rl.mask_truncated else None
-        values.update(rollout_metrics(*rollout_sums(generated, num_filtered, masked), batch_mesh))
-        return kept, values, num_generated
-
-    def _sample_round(
-        self, step: int, round_index: int, slots: list[int], times: dict
-    ) -> tuple[list[ScoredGroup], int]:
-        """Round ``round_index`` of the step on the stream's next prompts: this rank's scored groups
-        of ``slots`` (a group's slot is its candidate index, ``round_offset`` + slot) and the
-        tokens it generated."""
-        rl = self.job_config.rl
-        problem_ids = self.stream.next_step()
-        offset = round_offset(round_index, rl.prompts_per_step)
-        rollouts, num_generated = self._generate(slots, problem_ids, offset, step, times)
-        with _timed(times, "reward"):
-            rewards = [self._reward(problem_ids[r.prompt_index - offset], r) for r in rollouts]
-            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
-        return groups, num_generated
-
-    def _reward(self, problem_id: int, rollout: Rollout) -> Reward:
-        """The verifier's reward of ``rollout``, shaped by the overlong penalty when it is on."""
-        reward = self.task.reward(self.task.train_problems[problem_id], *self._completion(rollout))
-        rl = self.job_config.rl
-        if not rl.overlong_buffer:
-            return reward
-        length = len(rollout.completion_tokens)
-        return shape_overlong(reward, length, self.sampling.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
-
-    def _generate(
-        self, slots: list[int], problem_ids: list[int], index_offset: int, step: int, times: dict
-    ) -> tuple[list[Rollout], int]:
-        """This rank's rollouts of ``slots`` (identical on its CP / TP peers) and the tokens it generated."""
-        peer_mesh = self.parallel_dims.mesh("cp_tp")
-        with _timed(times, "generate"):
-            local = generate_share(
-                self.generator,
-                [self.train_prompts[i] for i in problem_ids],
-                slots,
-                self.job_config.rl.group_size,
-                self.sampling,
-                self.job_config.generation.seed,
-                step,
-                peer_mesh,
-                index_offset,
-            )
-        with _timed(times, "exchange"):
-            rollouts = exchange_among_peers(local, peer_mesh)
-        return rollouts, sum(len(r.completion_tokens) for r in local)
-
-    def _completion(self, rollout: Rollout) -> tuple[str, bool]:
-        """The completion's text without its stop token, and whether it stopped.
-
-        The model's vocabulary may be larger than the tokenizer's (padding rows it can still
-        sample): such an id reads as U+FFFD, so an answer containing one is wrong, never
-        silently shortened into a right one.
-        """
-        stopped = rollout.stop_reason == "stop"
-        tokens = rollout.completion_tokens[:-1] if stopped else rollout.completion_tokens
-        pieces, run = [], []
-        for token in tokens:
-            if token < self.tokenizer.vocab_size:
-                run.append(token)
-                continue
-            pieces += [self.tokenizer.decode(run), "\ufffd"]
-            run = []
-        return "".join(pieces) + self.tokenizer.decode(run), stopped
+        return rollout_metrics(*rollout_sums(generated, num_filtered, masked), mesh)
 
     def _minibatch_samples(self, groups: list[ScoredGroup], slots_by_minibatch: list[list[int]]) -> list[list[Sample]]:
         minibatch_of = {slot: m for m, slots in enumerate(slots_by_minibatch) for slot in slots}
@@ -480,13 +487,14 @@ class GRPORecipe(Recipe):
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Greedy pass@1 and sampled pass@k on the held-out prompts, split over all ranks."""
+        """Greedy pass@1 and sampled pass@k of the policy after ``step`` on the held-out
+        prompts, split over the training ranks."""
         k = self.job_config.rl.eval_num_samples
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        indices = split_among_peers(list(range(len(self.eval_prompts))), self.rank, world)
+        start = time.perf_counter()
+        self._sync_replica(step)
+        indices = split_among_peers(list(range(len(self.eval_prompts))), self.rank, self.parallel_dims.world_size)
         prompts = [self.eval_prompts[i] for i in indices]
         seed = self.job_config.generation.seed
-        start = time.perf_counter()
         # Step -step: evaluation draws its own random numbers, never a training rollout's.
         greedy = self.generator.generate(
             prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step
@@ -495,18 +503,21 @@ class GRPORecipe(Recipe):
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
         for i, index in enumerate(indices):
             problem = self.task.eval_problems[index]
-            correct = [self.task.reward(problem, *self._completion(r)).correct for r in sampled[i * k : (i + 1) * k]]
+            correct = [
+                self.task.reward(problem, *completion_text(self.tokenizer, r)).correct
+                for r in sampled[i * k : (i + 1) * k]
+            ]
             sums += torch.tensor(
                 [
                     1.0,
-                    float(self.task.reward(problem, *self._completion(greedy[i])).correct),
+                    float(self.task.reward(problem, *completion_text(self.tokenizer, greedy[i])).correct),
                     pass_at_k(k, sum(correct), k),
                     sum(correct) / k,
                 ],
                 dtype=torch.float64,
             )
         if dist.is_initialized():
-            dist.all_reduce(sums)
+            dist.all_reduce(sums, group=self.parallel_dims.trainer_group())
         n = float(sums[0].clamp(min=1))
         return {
             "eval/pass@1": float(sums[1]) / n,
@@ -521,13 +532,6 @@ def _stop_token_id(tokenizer, token: str) -> int:
     if token_id is None:
         raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
     return token_id
-
-
-@contextlib.contextmanager
-def _timed(times: dict[str, float], phase: str):
-    start = time.perf_counter()
-    yield
-    times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
 
 
 def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:

@@ -70,12 +70,13 @@ class Rollout:
     completion_tokens: list[int]  # generated tokens, the stop token included when it stopped
     logprobs: list[float]  # log_softmax(logits / temperature) at each completion token (T=1 when greedy)
     stop_reason: str  # "stop" (a stop token was generated) or "length" (max_new_tokens)
+    version: int = 0  # the version of the weights that generated it (the RL step they are from)
 
 
 class RolloutEngine(Protocol):
     """The seam a GPU inference engine can implement later."""
 
-    def update_weights(self, model: torch.nn.Module) -> None: ...
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None: ...
 
     def generate(
         self,
@@ -265,26 +266,46 @@ class TorchGenerator:
         # Uninitialized until update_weights: there is nothing to sample from before it.
         self.model = model.to_empty(device=self.device).to(dtype).eval().requires_grad_(False)
         self._loaded = False
+        self.version = 0  # of the weights loaded last; every rollout carries it
+
+    @property
+    def is_loaded(self) -> bool:
+        return self._loaded
 
     @torch.no_grad()
-    def update_weights(self, model: torch.nn.Module) -> None:
-        """Copy every parameter of the trained ``model`` (plain, FSDP2, HSDP or TP) by name.
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
+        """Copy every parameter of the trained ``model`` (plain, FSDP2, HSDP or TP) by name;
+        ``version`` tags the rollouts generated with them.
 
         A sharded parameter is gathered with ``full_tensor()``, a collective: every rank of the
         job must call this at the same time. Parameters go in the replica's order, which is
         the same on every rank; a tied embedding is one parameter, gathered once.
         """
         source = dict(model.named_parameters())
-        target = dict(self.model.named_parameters())
-        if source.keys() != target.keys():
-            raise ValueError(
-                "the trained model's parameters do not match the generator's model_args: missing "
-                f"{sorted(target.keys() - source.keys())}, unexpected {sorted(source.keys() - target.keys())}"
-            )
-        for name, param in target.items():
+        self._check_names(source.keys())
+        for name, param in self.model.named_parameters():
             value = source[name]
             param.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
         self._loaded = True
+        self.version = version
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy full (unsharded) ``tensors`` into the replica by name: weights that arrived from
+        elsewhere, e.g. a trainer's broadcast to a rollout rank."""
+        self._check_names(tensors.keys())
+        for name, param in self.model.named_parameters():
+            param.copy_(tensors[name])
+        self._loaded = True
+        self.version = version
+
+    def _check_names(self, names) -> None:
+        expected = {name for name, _ in self.model.named_parameters()}
+        if set(names) != expected:
+            raise ValueError(
+                "the trained model's parameters do not match the generator's model_args: missing "
+                f"{sorted(expected - set(names))}, unexpected {sorted(set(names) - expected)}"
+            )
 
     @torch.inference_mode()
     def generate(
@@ -361,6 +382,7 @@ class TorchGenerator:
                 tokens[r][: lengths[r]],
                 logprobs[r][: lengths[r]],
                 "stop" if stopped[r] else "length",
+                self.version,
             )
             for r, (p, s) in enumerate(pairs)
         ]

@@ -1,0 +1,109 @@
+"""What a rollout rank runs (``parallelism.rollout_ranks``): generate every step's rollouts with
+the weights the schedule names, reward and score them, and send them to the training ranks.
+
+It reads the same task, builds the same meshes (group creation is collective over the launch)
+and the same ``StepSampler`` as a colocated trainer; it holds no trainable model, only the
+generator's replica. The rollout ranks split each step's prompts among themselves like the CP /
+TP peers of a colocated data-parallel rank (``rollout`` mesh) and all of them hold the whole
+step; the first one sends it.
+"""
+
+import logging
+import time
+
+import torch.distributed as dist
+
+from torchtitan_rl.recipes.base import RunContext, model_args_from_config
+from torchtitan_rl.recipes.grpo import build_generator, read_task, sampling_params
+from torchtitan_rl.rl.rollout_ranks import (
+    Outbox,
+    StepBatch,
+    WeightReceiver,
+    build_rollout_topology,
+    generation_version,
+    receive_object,
+)
+from torchtitan_rl.rl.rollouts import PromptStream
+from torchtitan_rl.rl.step_sampler import StepSampler
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    """A rollout rank's life, driven by ``train.py`` like a recipe: build, ``setup()`` (the
+    start message from the training ranks), ``train()`` (the steps), ``close()``."""
+
+    def __init__(self, run: RunContext):
+        cfg = self.job_config = run.job_config
+        self.rank, self.device = run.rank, run.device
+        dims = run.parallel_dims
+        data = read_task(run)
+        dims.build_meshes(self.device.type)
+        self.topology = build_rollout_topology(
+            dims.world_size, dims.num_rollout_ranks, self.device.type, cfg.comm.rollout_timeout_seconds
+        )
+        self.generator = build_generator(cfg, model_args_from_config(cfg, self.device, run.tokenizer), self.device)
+        self.stream = PromptStream(len(data.train_prompts), cfg.rl.prompts_per_step, cfg.debug.seed)
+        self.sampler = StepSampler(
+            cfg,
+            data.task,
+            data.train_prompts,
+            run.tokenizer,
+            self.generator,
+            sampling_params(cfg, data.stop_token_ids),
+            self.stream,
+        )
+        self.receiver = WeightReceiver(self.topology, self.generator, self.device)
+        self.outbox = Outbox()
+        self.start_version = self.first_step = 0
+
+    def setup(self) -> bool:
+        """Wait for the training ranks (their warm-up or checkpoint load) to say where to start."""
+        start = receive_object(0, self.topology, "training rank 0 sent no start message")
+        self.start_version, self.first_step = start["version"], start["first_step"]
+        self.stream.load_state_dict(start["stream"])
+        return self.start_version > 0
+
+    def train(self) -> None:
+        cfg = self.job_config
+        steps, max_staleness = cfg.training.steps, cfg.rl.max_staleness
+        slots = list(range(cfg.rl.prompts_per_step))
+        is_leader = self.rank == self.topology.leader
+        version = None
+        logger.info("rollout rank %d: steps %d..%d, max_staleness %d", self.rank, self.first_step, steps, max_staleness)
+        for step in range(self.first_step, steps + 1):
+            needed = generation_version(step, self.start_version, max_staleness)
+            while version is None or version < needed:
+                version = self.start_version if version is None else version + 1
+                self.receiver.receive(version)
+            times: dict[str, float] = {}
+            start = time.perf_counter()
+            sampled = self.sampler.sample(step, slots, None, self.topology.rollout_mesh, times, warn=is_leader)
+            num_generated = self._all_generated(sampled.num_generated)
+            if not is_leader:
+                continue
+            batch = StepBatch(
+                step,
+                version,
+                sampled.generated,
+                sampled.kept,
+                sampled.values,
+                self.stream.state_dict(),
+                num_generated,
+                time.perf_counter() - start,
+            )
+            for trainer in range(self.topology.num_trainers):
+                self.outbox.send(batch, trainer)
+        self.outbox.flush(self.topology, "the training ranks took no rollouts")
+
+    def _all_generated(self, num_generated: int) -> int:
+        """The step's generated tokens over the rollout ranks (each generated a part)."""
+        mesh = self.topology.rollout_mesh
+        if mesh is None:
+            return num_generated
+        counts: list = [None] * mesh.size()
+        dist.all_gather_object(counts, num_generated, group=mesh.get_group())
+        return sum(counts)
+
+    def close(self) -> None:
+        """Nothing outlives ``train()``: its sends are flushed there."""

@@ -1,0 +1,304 @@
+"""Dedicated rollout ranks: the weights go out by broadcast, the step's rollouts come back.
+
+With ``parallelism.rollout_ranks = N`` the last N ranks of the launch only generate. The
+messages, all on torch.distributed (gloo on CPU, NCCL for the weights on GPU):
+
+- start (training rank 0 -> every rollout rank, point to point): the version of the weights
+  the run starts from, the first step to generate and the prompt stream's position there;
+- weights (training rank 0 -> rollout ranks, a broadcast on their own group): a header
+  (version, element count) and the parameters flattened in name order into buckets of at most
+  ``BUCKET_BYTES``, in the generator's dtype: a bounded number of collectives, each tensor
+  once. Version v is the policy after RL step v (0: the one RL starts from);
+- a step's rollouts (the first rollout rank -> every training rank, point to point): a
+  pickled ``StepBatch``.
+
+The schedule is a function of (step, max_staleness K, start) only: step t is generated with
+version ``generation_version(t)`` = max(start, t - 1 - K), so the rollouts of a step, their
+random numbers and their version never depend on N, the training layout or timing; K = 0
+gives the colocated run's numbers. The rollout ranks generate up to K steps ahead while the
+trainers train. Every wait has a timeout (``comm.rollout_timeout_seconds``) that stops the run
+with a message naming the side that went silent; a rank that dies stops the launch through
+torchrun.
+
+A GPU inference engine would plug in here: it receives the weights message and answers with
+token ids, their behaviour log-probs and the version.
+"""
+
+import datetime
+import logging
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchtitan_rl.rl.rollouts import ScoredGroup
+
+logger = logging.getLogger(__name__)
+
+BUCKET_BYTES = 1 << 30  # weights per broadcast, at most (one parameter larger than this goes alone)
+
+
+def generation_version(step: int, start: int, max_staleness: int) -> int:
+    """The version of the weights that generates ``step``'s rollouts in a run that started (or
+    resumed) with version ``start``."""
+    return max(start, step - 1 - max_staleness)
+
+
+def is_version_sent(version: int, num_steps: int, max_staleness: int) -> bool:
+    """Whether the trainers broadcast the weights after step ``version``: some step up to
+    ``num_steps`` is generated with them."""
+    return version + 1 + max_staleness <= num_steps
+
+
+def staleness(step: int, version: int) -> int:
+    """How many updates the policy trained at ``step`` is ahead of weights ``version``."""
+    return step - 1 - version
+
+
+@dataclass
+class StepBatch:
+    """One step's rollouts, as the rollout ranks send them to every training rank."""
+
+    step: int
+    version: int
+    generated: list[ScoredGroup]  # every group generated for the step, trained or not
+    kept: list[ScoredGroup]  # the groups to train, every slot of the step
+    values: dict[str, float]  # rl/dynamic_sampling/* of the step
+    stream_state: dict[str, Any]  # the prompt stream's position after the step's prompts
+    num_generated: int  # tokens generated
+    generate_seconds: float
+
+
+@dataclass
+class RolloutTopology:
+    """Who is who in a launch with rollout ranks, and their groups."""
+
+    num_trainers: int  # the first ranks of the launch
+    rollout_ranks: list[int]
+    weight_group: dist.ProcessGroup  # training rank 0 and the rollout ranks
+    rollout_mesh: DeviceMesh | None  # the rollout ranks, who split a step's generation (None: one)
+    timeout_seconds: int
+
+    @property
+    def leader(self) -> int:
+        """The rollout rank that sends each step's rollouts to the trainers."""
+        return self.rollout_ranks[0]
+
+    def wait(self, work, what: str) -> None:
+        """Wait for ``work``; past the timeout, stop with ``what`` went silent."""
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_seconds))
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{what} within comm.rollout_timeout_seconds={self.timeout_seconds} ({err}); stopping the run"
+            ) from None
+
+
+def build_rollout_topology(num_trainers: int, num_rollout_ranks: int, device_type: str, timeout_seconds: int):
+    """The groups of a launch with rollout ranks. Collective: every rank of the launch calls it,
+    after the training meshes are built."""
+    ranks = list(range(num_trainers, num_trainers + num_rollout_ranks))
+    weight_group = dist.new_group([0, *ranks], timeout=datetime.timedelta(seconds=timeout_seconds))
+    mesh = None
+    if num_rollout_ranks > 1:
+        mesh = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=("rollout",))
+    return RolloutTopology(num_trainers, ranks, weight_group, mesh, timeout_seconds)
+
+
+# ------------------------------------------------------------------ objects, point to point
+
+
+@dataclass
+class Outbox:
+    """Sends in flight: their buffers must live until the receiver has them."""
+
+    pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+
+    def send(self, obj: Any, dst: int) -> int:
+        """Start sending ``obj`` (pickled) to rank ``dst``; returns its bytes."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.int64)
+        self.pending += [(dist.isend(size, dst), size), (dist.isend(payload, dst), payload)]
+        self.pending = [(work, buffer) for work, buffer in self.pending if not work.is_completed()]
+        return payload.numel()
+
+    def flush(self, topology: RolloutTopology, what: str) -> None:
+        for work, _ in self.pending:
+            topology.wait(work, what)
+        self.pending = []
+
+
+def receive_object(src: int, topology: RolloutTopology, what: str) -> Any:
+    """The next object rank ``src`` sent to this rank."""
+    size = torch.zeros(1, dtype=torch.int64)
+    topology.wait(dist.irecv(size, src), what)
+    payload = torch.empty(int(size), dtype=torch.uint8)
+    topology.wait(dist.irecv(payload, src), what)
+    return pickle.loads(payload.numpy().tobytes())
+
+
+# ------------------------------------------------------------------ weights
+
+
+def _buckets(numels: list[int], itemsize: int) -> list[list[int]]:
+    """Consecutive parameter indices per broadcast: at most ``BUCKET_BYTES`` each."""
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for index, numel in enumerate(numels):
+        if buckets[-1] and size + numel * itemsize > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += numel * itemsize
+    return buckets
+
+
+class WeightSender:
+    """The training ranks' side of the weight broadcast. Every training rank calls ``send`` (a
+    sharded parameter is gathered with ``full_tensor()``); rank 0 broadcasts without waiting
+    and keeps the buffers until the next send, which first waits for the previous one."""
+
+    def __init__(self, topology: RolloutTopology, dtype: torch.dtype, device: torch.device):
+        self.topology, self.dtype, self.device = topology, dtype, device
+        self.is_sender = dist.get_rank() == 0
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    @torch.no_grad()
+    def send(self, model: nn.Module, version: int) -> int:
+        """Broadcast ``model``'s weights as ``version``; returns the bytes sent."""
+        self.wait()
+        names = sorted(name for name, _ in model.named_parameters())
+        params = dict(model.named_parameters())
+        full = []
+        for name in names:
+            value = params[name]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            full.append(value.detach().to(self.dtype).reshape(-1) if self.is_sender else None)
+        if not self.is_sender:
+            return 0
+        numels = [t.numel() for t in full]
+        header = torch.tensor([version, sum(numels)], dtype=torch.int64)
+        group = self.topology.weight_group
+        self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
+        for bucket in _buckets(numels, self.dtype.itemsize):
+            flat = torch.cat([full[i] for i in bucket]).to(self.device)
+            self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
+        return sum(numels) * self.dtype.itemsize
+
+    def wait(self) -> None:
+        """Until the rollout ranks have the last weights sent."""
+        for work, _ in self._pending:
+            self.topology.wait(work, f"rollout ranks {self.topology.rollout_ranks} took no weights")
+        self._pending = []
+
+
+class WeightReceiver:
+    """The rollout ranks' side: weights of the next version into ``generator``'s replica."""
+
+    def __init__(self, topology: RolloutTopology, generator, device: torch.device):
+        self.topology, self.generator, self.device = topology, generator, device
+        named = sorted(generator.model.named_parameters())
+        self.names = [name for name, _ in named]
+        self.shapes = [p.shape for _, p in named]
+        self.dtype = named[0][1].dtype
+
+    def receive(self, version: int) -> None:
+        group = self.topology.weight_group
+        header = torch.zeros(2, dtype=torch.int64)
+        what = f"training rank 0 sent no weights of version {version}"
+        self.topology.wait(dist.broadcast(header, src=0, group=group, async_op=True), what)
+        numels = [shape.numel() for shape in self.shapes]
+        if header.tolist() != [version, sum(numels)]:
+            raise RuntimeError(
+                f"weights out of order: expected version {version} of {sum(numels)} elements, got {header.tolist()}"
+            )
+        tensors = {}
+        for bucket in _buckets(numels, self.dtype.itemsize):
+            flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
+            self.topology.wait(dist.broadcast(flat, src=0, group=group, async_op=True), what)
+            for i, part in zip(bucket, flat.split([numels[i] for i in bucket])):
+                tensors[self.names[i]] = part.view(self.shapes[i])
+        self.generator.load_weights(tensors, version)
+
+
+# ------------------------------------------------------------------ the training ranks' side
+
+
+class RolloutClient:
+    """The training ranks' side of the rollout ranks: start them, send the weights after each
+    step that some later step is generated with, and take each step's ``StepBatch``.
+
+    Checkpointable (``Stateful``): a checkpoint after step s holds the batches of steps
+    s+1..s+K, which were generated with weights older than the checkpoint's (the trainers wait
+    for them before saving); the rollout ranks of a resumed run generate from step s+K+1 on
+    with the checkpoint's weights, as the uninterrupted run does. Saved batches that lag more
+    than the resumed run's K are dropped (and counted): those steps are generated again.
+    """
+
+    def __init__(self, topology: RolloutTopology, sender: WeightSender, num_steps: int, max_staleness: int):
+        self.topology, self.sender = topology, sender
+        self.num_steps, self.max_staleness = num_steps, max_staleness
+        self.in_flight: dict[int, StepBatch] = {}
+        self._num_dropped = 0
+        self._outbox = Outbox()
+        self._next_received = 0  # the step of the next batch the rollout ranks send
+
+    def start(self, model: nn.Module, version: int, stream_state: dict[str, Any]) -> None:
+        """Tell the rollout ranks where the run starts (after step ``version``, with the prompt
+        stream at ``stream_state``) and send them the weights. Every training rank calls it."""
+        kept: dict[int, StepBatch] = {}
+        step = version + 1
+        while step in self.in_flight and staleness(step, self.in_flight[step].version) <= self.max_staleness:
+            kept[step] = self.in_flight[step]
+            step += 1
+        self._num_dropped = len(self.in_flight) - len(kept)
+        self.in_flight = kept
+        self._next_received = step
+        start = {
+            "version": version,
+            "first_step": step,
+            "stream": kept[step - 1].stream_state if kept else stream_state,
+        }
+        if dist.get_rank() == 0:
+            for rank in self.topology.rollout_ranks:
+                self._outbox.send(start, rank)
+        if step <= self.num_steps:
+            self.sender.send(model, version)
+
+    def send_weights(self, model: nn.Module, version: int) -> int:
+        """Broadcast the policy after step ``version``; the bytes sent (0 on ranks that only
+        gather)."""
+        return self.sender.send(model, version)
+
+    def batch(self, step: int) -> tuple[StepBatch, int]:
+        """The rollouts of ``step`` and how many stale batches were dropped since the last call."""
+        self.receive_until(step)
+        batch = self.in_flight.pop(step)
+        assert staleness(step, batch.version) <= self.max_staleness, (step, batch.version)
+        num_dropped, self._num_dropped = self._num_dropped, 0
+        return batch, num_dropped
+
+    def receive_until(self, step: int) -> None:
+        """Receive the batches of the steps up to ``step`` (at most the last step)."""
+        while self._next_received <= min(step, self.num_steps):
+            what = f"rollout rank {self.topology.leader} sent no rollouts of step {self._next_received}"
+            batch = receive_object(self.topology.leader, self.topology, what)
+            assert batch.step == self._next_received, (batch.step, self._next_received)
+            self.in_flight[batch.step] = batch
+            self._next_received += 1
+
+    def finish(self) -> None:
+        """Wait until the rollout ranks have what was sent to them."""
+        self.sender.wait()
+        self._outbox.flush(self.topology, f"rollout ranks {self.topology.rollout_ranks} took no start message")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"in_flight": pickle.dumps(sorted(self.in_flight.values(), key=lambda b: b.step))}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.in_flight = {batch.step: batch for batch in pickle.loads(state_dict["in_flight"])}

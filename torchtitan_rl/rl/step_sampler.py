@@ -1,0 +1,162 @@
+"""A step's rollouts from a task's prompts: generation, rewards, advantages and dynamic sampling.
+
+The same code runs wherever rollouts are made. Colocated, every training rank samples its own
+prompt slots (its CP / TP peers split the work) and dynamic sampling gathers the groups with
+signal over the ``batch`` mesh. With rollout ranks, those ranks sample every slot of the step
+among themselves (their ``rollout`` mesh plays the peers) and send the result to the trainers.
+Either way a rollout's randomness is keyed by (seed, step, candidate index, sample) alone, so
+the step's rollouts do not depend on who generates them.
+"""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.data.tokenizer import Tokenizer
+from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
+from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
+from torchtitan_rl.rl.length_shaping import shape_overlong
+from torchtitan_rl.rl.rollouts import (
+    PromptStream,
+    ScoredGroup,
+    exchange_among_peers,
+    generate_share,
+    is_zero_variance,
+    score_groups,
+)
+from torchtitan_rl.rl.tasks import Reward, Task
+
+
+@dataclass
+class SampledStep:
+    """What a step's sampling produced on this rank."""
+
+    generated: list[ScoredGroup]  # every group generated (of every dynamic sampling round), trained or not
+    kept: list[ScoredGroup]  # the groups to train, of the slots asked for
+    values: dict[str, float] = field(default_factory=dict)  # rl/dynamic_sampling/* of the step
+    num_generated: int = 0  # tokens this rank generated
+
+
+class StepSampler:
+    """Draws a step's prompts from ``stream``, generates ``rl.group_size`` completions of each,
+    rewards them with ``task`` and scores the groups."""
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        task: Task,
+        prompts: list[list[int]],
+        tokenizer: Tokenizer,
+        generator: RolloutEngine,
+        sampling: SamplingParams,
+        stream: PromptStream,
+    ):
+        self.rl, self.seed = job_config.rl, job_config.generation.seed
+        self.task, self.prompts, self.tokenizer = task, prompts, tokenizer
+        self.generator, self.sampling, self.stream = generator, sampling, stream
+
+    def sample(
+        self,
+        step: int,
+        slots: list[int],
+        batch_mesh: DeviceMesh | None,
+        peer_mesh: DeviceMesh | None,
+        times: dict[str, float],
+        warn: bool = False,
+    ) -> SampledStep:
+        """The groups of ``slots`` to train at ``step`` (this rank's share of the ``batch``
+        mesh), every group generated for them, and the tokens this rank generated. ``peer_mesh``
+        splits the generation of ``slots`` and exchanges the rollouts; with dynamic sampling
+        the groups with signal are gathered over ``batch_mesh`` after every round."""
+        rl = self.rl
+        out = SampledStep([], [])
+
+        def draw_round(round_index: int) -> list[ScoredGroup]:
+            groups, num_tokens = self._sample_round(step, round_index, slots, peer_mesh, times)
+            out.generated.extend(groups)
+            out.num_generated += num_tokens
+            return groups
+
+        if rl.dynamic_sampling:
+
+            def draw_whole_round(round_index: int) -> list[ScoredGroup]:
+                groups = draw_round(round_index)
+                with timed(times, "signal_exchange"):
+                    return gather_groups_with_signal(groups, batch_mesh)
+
+            selection = select_groups_with_signal(draw_whole_round, rl.prompts_per_step, rl.max_sampling_rounds, warn)
+            mine = set(slots)
+            out.kept = [g for g in selection.groups if g.slot in mine]
+            out.values["rl/dynamic_sampling/rounds"] = float(selection.num_rounds)
+            out.values["rl/dynamic_sampling/groups_with_signal"] = float(selection.num_with_signal)
+        else:
+            groups = draw_round(0)
+            out.kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
+        return out
+
+    def _sample_round(
+        self, step: int, round_index: int, slots: list[int], peer_mesh: DeviceMesh | None, times: dict
+    ) -> tuple[list[ScoredGroup], int]:
+        """Round ``round_index`` of the step on the stream's next prompts: the scored groups of
+        ``slots`` (a group's slot is its candidate index, ``round_offset`` + slot) and the
+        tokens this rank generated."""
+        rl = self.rl
+        problem_ids = self.stream.next_step()
+        offset = round_offset(round_index, rl.prompts_per_step)
+        with timed(times, "generate"):
+            local = generate_share(
+                self.generator,
+                [self.prompts[i] for i in problem_ids],
+                slots,
+                rl.group_size,
+                self.sampling,
+                self.seed,
+                step,
+                peer_mesh,
+                offset,
+            )
+        with timed(times, "exchange"):
+            rollouts = exchange_among_peers(local, peer_mesh)
+        with timed(times, "reward"):
+            rewards = [self.reward(problem_ids[r.prompt_index - offset], r) for r in rollouts]
+            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
+        return groups, sum(len(r.completion_tokens) for r in local)
+
+    def reward(self, problem_id: int, rollout: Rollout) -> Reward:
+        """The verifier's reward of ``rollout``, shaped by the overlong penalty when it is on."""
+        reward = self.task.reward(self.task.train_problems[problem_id], *completion_text(self.tokenizer, rollout))
+        rl = self.rl
+        if not rl.overlong_buffer:
+            return reward
+        length = len(rollout.completion_tokens)
+        return shape_overlong(reward, length, self.sampling.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)
+
+
+def completion_text(tokenizer: Tokenizer, rollout: Rollout) -> tuple[str, bool]:
+    """The completion's text without its stop token, and whether it stopped.
+
+    The model's vocabulary may be larger than the tokenizer's (padding rows it can still
+    sample): such an id reads as U+FFFD, so an answer containing one is wrong, never
+    silently shortened into a right one.
+    """
+    stopped = rollout.stop_reason == "stop"
+    tokens = rollout.completion_tokens[:-1] if stopped else rollout.completion_tokens
+    pieces, run = [], []
+    for token in tokens:
+        if token < tokenizer.vocab_size:
+            run.append(token)
+            continue
+        pieces += [tokenizer.decode(run), "\ufffd"]
+        run = []
+    return "".join(pieces) + tokenizer.decode(run), stopped
+
+
+@contextlib.contextmanager
+def timed(times: dict[str, float], phase: str):
+    """Add the seconds of the ``with`` block to ``times[phase]``."""
+    start = time.perf_counter()
+    yield
+    times[phase] = times.get(phase, 0.0) + time.perf_counter() - start
