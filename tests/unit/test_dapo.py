@@ -24,6 +24,7 @@ from torchtitan_rl.rl.rollouts import (
     score_groups,
     to_samples,
 )
+from torchtitan_rl.rl.step_sampler import StepSampler
 from torchtitan_rl.rl.tasks import Reward
 
 # ------------------------------------------------------------------ overlong penalty
@@ -247,6 +248,9 @@ def scripted_recipe(prompts_per_step: int, **rl) -> GRPORecipe:
     recipe.task = ScriptedTask()
     recipe.tokenizer = DigitTokenizer()
     recipe.sampling = SamplingParams(MAX_NEW, 1.0, stop_token_ids=(0,))
+    recipe.sampler = StepSampler(
+        cfg, recipe.task, recipe.train_prompts, recipe.tokenizer, recipe.generator, recipe.sampling, recipe.stream
+    )
     return recipe
 
 

@@ -12,7 +12,7 @@ from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.recipes.base import REDUCE_DTYPES, describe_os_error, model_args_from_config
-from torchtitan_rl.recipes.grpo import GRPORecipe
+from torchtitan_rl.recipes.grpo import GRPORecipe, build_grpo
 from torchtitan_rl.recipes.sft import SFTRecipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -34,7 +34,7 @@ def test_registry_matches_the_config_choices():
         if f.name == "recipe"
     ]
     assert set(RECIPES) == set(choices)
-    assert get_recipe("grpo") is GRPORecipe and get_recipe("sft") is SFTRecipe
+    assert get_recipe("grpo") is build_grpo and get_recipe("sft") is SFTRecipe
     with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'sft'\]"):
         get_recipe("dpo")
 

@@ -14,7 +14,7 @@ import time
 import torch.distributed as dist
 
 from torchtitan_rl.recipes.base import RunContext, model_args_from_config
-from torchtitan_rl.recipes.grpo import build_generator, read_task, sampling_params
+from torchtitan_rl.recipes.grpo_data import build_generator, read_task, sampling_params
 from torchtitan_rl.rl.rollout_ranks import (
     Outbox,
     StepBatch,

@@ -1,0 +1,93 @@
+"""What both sides of a GRPO run read from the config: the task's prompts (tokenized and
+checked), the sampler's replica and its sampling parameters. Training ranks and rollout ranks
+(``recipes/rollout_worker.py``) build them the same way."""
+
+from dataclasses import dataclass
+
+import torch
+
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.data.chat import tokenize_prompt
+from torchtitan_rl.recipes.base import RunContext, check_divisible_by_data_parallel
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
+from torchtitan_rl.rl.tasks import Task, build_task
+
+GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """A GRPO run's task and its prompts, tokenized and checked."""
+
+    task: Task
+    train_prompts: list[list[int]]
+    eval_prompts: list[list[int]]
+    stop_token_ids: tuple[int, ...]
+
+
+def read_task(run: RunContext) -> TaskData:
+    """The task's prompts, tokenized and checked against the layout and ``training.seq_len``
+    (before any collective)."""
+    cfg = run.job_config
+    rl, generation = cfg.rl, cfg.generation
+    dims = run.parallel_dims
+    per_minibatch = rl.prompts_per_step // rl.num_minibatches
+    if per_minibatch % dims.batch_degree != 0:
+        raise ValueError(
+            f"rl.prompts_per_step={rl.prompts_per_step} / rl.num_minibatches={rl.num_minibatches} = "
+            f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
+            f"{dims.batch_degree} (dp_replicate * dp_shard)"
+        )
+    warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
+    if warmup:
+        check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
+    num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
+    task = build_task(
+        rl.task,
+        path=rl.task_path,
+        num_train=num_train,
+        num_eval=rl.num_eval_prompts,
+        seed=cfg.debug.seed,
+        partial_credit=rl.partial_credit,
+        format_reward=rl.format_reward,
+        answer_match=rl.answer_match,
+    )
+    if warmup and rl.task == "jsonl" and not task.spare_problems:
+        # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
+        raise ValueError(
+            f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task 'jsonl' trains on rows outside "
+            f"the RL pool and the held-out prompts, and rl.num_train_prompts={rl.num_train_prompts} leaves none "
+            f"of the {len(task.train_problems)} candidate rows of {rl.task_path!r}; set "
+            "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
+        )
+    tokenizer = run.tokenizer
+    stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
+    train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.train_problems]
+    eval_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.eval_problems]
+    problems = [*task.train_problems, *task.eval_problems]
+    for problem, prompt in zip(problems, [*train_prompts, *eval_prompts]):
+        if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
+            raise ValueError(
+                f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
+                f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
+            )
+    return TaskData(task, train_prompts, eval_prompts, stop_token_ids)
+
+
+def build_generator(job_config: JobConfig, model_args, device: torch.device) -> TorchGenerator:
+    """An unsharded replica of the policy for sampling."""
+    generation = job_config.generation
+    return TorchGenerator(model_args, device, GENERATION_DTYPES[generation.dtype], generation.max_prompts_per_batch)
+
+
+def sampling_params(job_config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingParams:
+    g = job_config.generation
+    return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p, stop_token_ids)
+
+
+def _stop_token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
+    return token_id
