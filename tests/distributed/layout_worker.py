@@ -16,6 +16,7 @@ from generator_cases import run_generator_checks
 from moe_cases import run_moe_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
+from rollout_rank_cases import run_rollout_rank_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.balance import assign_to_ranks
 from torchtitan_rl.data.sample import Sample
@@ -404,6 +405,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only
+    run_rollout_rank_checks(world_size, results)  # 2 training + 2 rollout ranks, world 4 only
     return results
 
 

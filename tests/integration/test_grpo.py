@@ -143,6 +143,11 @@ def layout_runs(tmp_path_factory) -> dict:
     shutil.rmtree(resumed / "tb")
     resumed_log = launch(resumed, 3, *options, "--training.steps", str(LAYOUT_STEPS), *ASYNC_K2, *ASYNC_CHECKPOINTS)
     assert f"resuming after step {ASYNC_SAVED}" in resumed_log
+    # The same checkpoint resumed at staleness 0: its rollouts in flight lag too much.
+    synchronous = out / "async_resumed_k0"
+    shutil.copytree(resumed, synchronous)
+    shutil.rmtree(synchronous / "tb")
+    launch(synchronous, 3, *options, "--training.steps", str(LAYOUT_STEPS), *ROLLOUT_RANK, *ASYNC_CHECKPOINTS)
     return {
         name: read_scalars(str(out / folder / "tb"))
         for name, folder in (
@@ -152,6 +157,7 @@ def layout_runs(tmp_path_factory) -> dict:
             ("dp2_tp2", "dp2_tp2/test"),
             *((name, f"{name}") for name, _, _ in ASYNC_RUNS),
             ("async_resumed", "async_resumed"),
+            ("async_resumed_k0", "async_resumed_k0"),
         )
     } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
 
@@ -238,6 +244,16 @@ def test_rollout_ranks_at_staleness_2_are_exact_across_training_layouts_and_resu
     one = layout_runs["one"]["rl/reward_mean"]
     assert dp2["rl/reward_mean"][1] == pytest.approx(one[1], rel=1e-4)
     assert any(dp2["rl/reward_mean"][s] != pytest.approx(one[s], rel=1e-4) for s in range(2, LAYOUT_STEPS + 1))
+
+
+def test_resuming_with_a_smaller_staleness_drops_and_regenerates_the_stale_rollouts(layout_runs):
+    resumed = layout_runs["async_resumed_k0"]
+    # Step 3's saved rollouts came from the weights after step 0: a lag of 2 > 0, dropped, counted.
+    assert resumed["rl/dropped_stale"] == {3: 1.0}
+    assert resumed["rl/staleness_max"] == {3: 0.0}
+    # Generated again, from the checkpoint's weights: other rollouts than the saved ones.
+    loss = "loss_metrics/global_avg_loss"
+    assert resumed[loss][3] != pytest.approx(layout_runs["async_resumed"][loss][3], rel=1e-4)
 
 
 def test_a_rollout_checkpoint_holds_the_rollouts_in_flight(layout_runs):

@@ -145,12 +145,13 @@ def receive_object(src: int, topology: RolloutTopology, what: str) -> Any:
 # ------------------------------------------------------------------ weights
 
 
-def _buckets(numels: list[int], itemsize: int) -> list[list[int]]:
-    """Consecutive parameter indices per broadcast: at most ``BUCKET_BYTES`` each."""
+def weight_buckets(numels: list[int], itemsize: int, limit: int) -> list[list[int]]:
+    """Consecutive parameter indices per broadcast, filled in order up to ``limit`` bytes each
+    (a parameter larger than that alone)."""
     buckets: list[list[int]] = [[]]
     size = 0
     for index, numel in enumerate(numels):
-        if buckets[-1] and size + numel * itemsize > BUCKET_BYTES:
+        if buckets[-1] and size + numel * itemsize > limit:
             buckets.append([])
             size = 0
         buckets[-1].append(index)
@@ -185,7 +186,7 @@ class WeightSender:
         header = torch.tensor([version, sum(numels)], dtype=torch.int64)
         group = self.topology.weight_group
         self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
-        for bucket in _buckets(numels, self.dtype.itemsize):
+        for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             flat = torch.cat([full[i] for i in bucket]).to(self.device)
             self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
         return sum(numels) * self.dtype.itemsize
@@ -218,7 +219,7 @@ class WeightReceiver:
                 f"weights out of order: expected version {version} of {sum(numels)} elements, got {header.tolist()}"
             )
         tensors = {}
-        for bucket in _buckets(numels, self.dtype.itemsize):
+        for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
             self.topology.wait(dist.broadcast(flat, src=0, group=group, async_op=True), what)
             for i, part in zip(bucket, flat.split([numels[i] for i in bucket])):
@@ -227,6 +228,19 @@ class WeightReceiver:
 
 
 # ------------------------------------------------------------------ the training ranks' side
+
+
+def usable_in_flight(in_flight: dict[int, StepBatch], version: int, max_staleness: int) -> dict[int, StepBatch]:
+    """The saved batches a run resuming after step ``version`` trains: those of the steps
+    version+1, version+2, ... up to the first one missing or lagging more than
+    ``max_staleness``. The steps after that are generated again (the prompt stream goes on
+    from the last batch kept), so a later batch is dropped too."""
+    kept = {}
+    step = version + 1
+    while step in in_flight and staleness(step, in_flight[step].version) <= max_staleness:
+        kept[step] = in_flight[step]
+        step += 1
+    return kept
 
 
 class RolloutClient:
@@ -251,14 +265,10 @@ class RolloutClient:
     def start(self, model: nn.Module, version: int, stream_state: dict[str, Any]) -> None:
         """Tell the rollout ranks where the run starts (after step ``version``, with the prompt
         stream at ``stream_state``) and send them the weights. Every training rank calls it."""
-        kept: dict[int, StepBatch] = {}
-        step = version + 1
-        while step in self.in_flight and staleness(step, self.in_flight[step].version) <= self.max_staleness:
-            kept[step] = self.in_flight[step]
-            step += 1
+        kept = usable_in_flight(self.in_flight, version, self.max_staleness)
         self._num_dropped = len(self.in_flight) - len(kept)
         self.in_flight = kept
-        self._next_received = step
+        step = self._next_received = version + 1 + len(kept)
         start = {
             "version": version,
             "first_step": step,

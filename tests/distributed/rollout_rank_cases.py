@@ -1,0 +1,94 @@
+"""Rollout ranks inside the shared 4-rank launch (``layout_worker.run_all_layouts``).
+
+Two training ranks (FSDP, or TP) and two rollout ranks: the trainers broadcast the weights
+twice (version 0, then every parameter doubled as version 1) in buckets small enough that
+there are several; the rollout ranks load each version into their replica, split a step's
+generation between them over their ``rollout`` mesh with version 0 loaded, and the first one
+sends the rollouts to both trainers. Every rank records what it holds for test_rollout_ranks.py.
+"""
+
+import torch
+import torch.distributed as dist
+
+import layout_cases as lc
+from generator_cases import prompts
+from rl_cases import NUM_SAMPLES, PARAMS, SEED, STEP, gather_to_all, summary
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl import rollout_ranks
+from torchtitan_rl.rl.generator import TorchGenerator
+from torchtitan_rl.rl.rollout_ranks import (
+    Outbox,
+    WeightReceiver,
+    WeightSender,
+    build_rollout_topology,
+    receive_object,
+)
+from torchtitan_rl.rl.rollouts import exchange_among_peers, generate_share
+
+# (dp_replicate, dp_shard, cp, tp) of the two training ranks.
+ROLLOUT_LAYOUTS = ((1, 2, 1, 1), (1, 1, 1, 2))
+NUM_TRAINERS = NUM_ROLLOUT_RANKS = 2
+BUCKET_BYTES = 16 * 1024  # the test model's 100 KiB of weights take several buckets
+
+
+def layout_key(layout: tuple) -> str:
+    return "rollout_ranks/rep{}_shard{}_cp{}_tp{}".format(*layout)
+
+
+def run_rollout_rank_checks(world_size: int, results: dict) -> None:
+    if world_size != NUM_TRAINERS + NUM_ROLLOUT_RANKS:
+        return
+    saved = rollout_ranks.BUCKET_BYTES
+    rollout_ranks.BUCKET_BYTES = BUCKET_BYTES
+    try:
+        for layout in ROLLOUT_LAYOUTS:
+            run_layout(layout, results)
+    finally:
+        rollout_ranks.BUCKET_BYTES = saved
+
+
+def run_layout(layout: tuple, results: dict) -> None:
+    dims = ParallelDims(*layout, world_size=NUM_TRAINERS, num_rollout_ranks=NUM_ROLLOUT_RANKS)
+    dims.build_meshes("cpu")
+    topology = build_rollout_topology(NUM_TRAINERS, NUM_ROLLOUT_RANKS, "cpu", 120)
+    args = lc.model_args(False)
+    cpu = torch.device("cpu")
+    if dims.is_trainer:
+        model = build_model(args, parallel_dims=dims, device=cpu, seed=lc.SEED, param_dtype=torch.float32)
+        sender = WeightSender(topology, torch.float32, cpu)
+        sent = [sender.send(model, 0)]
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(2)
+        sent.append(sender.send(model, 1))
+        rollouts = receive_object(topology.leader, topology, "no rollouts")
+        sender.wait()
+        mine = {"role": "trainer", "bytes": sent, "rollouts": rollouts}
+    else:
+        generator = TorchGenerator(args, cpu, max_prompts_per_batch=1)
+        receiver = WeightReceiver(topology, generator, cpu)
+        receiver.receive(0)
+        weights = [{name: p.clone() for name, p in generator.model.named_parameters()}]
+        step_prompts = prompts()
+        mesh = topology.rollout_mesh
+        local = generate_share(
+            generator, step_prompts, list(range(len(step_prompts))), NUM_SAMPLES, PARAMS, SEED, STEP, mesh
+        )
+        rollouts = exchange_among_peers(local, mesh)
+        if dist.get_rank() == topology.leader:
+            outbox = Outbox()
+            for trainer in range(NUM_TRAINERS):
+                outbox.send(summary(rollouts), trainer)
+            outbox.flush(topology, "trainers took no rollouts")
+        receiver.receive(1)
+        weights.append({name: p.clone() for name, p in generator.model.named_parameters()})
+        mine = {
+            "role": "rollout",
+            "weights": weights,
+            "version": generator.version,
+            "versions": sorted({r.version for r in rollouts}),
+            "local": summary(local),
+            "rollouts": summary(rollouts),
+        }
+    results[layout_key(layout)] = gather_to_all(mine)

@@ -1,0 +1,56 @@
+"""Rollout ranks on gloo (``rollout_rank_cases``, in the shared 4-rank launch): the weights a
+rollout rank loads are exactly the trainers' full weights of each version, whether FSDP or TP
+shards them and however many buckets carry them; two rollout ranks split a step's generation
+and both end with the rollouts one process generates; both trainers receive them."""
+
+import pytest
+import torch
+
+import layout_cases as lc
+import rollout_rank_cases as cases
+from test_rollout_exchange import single_process_rollouts
+from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.rl.rollout_ranks import weight_buckets
+
+
+def reference_weights() -> dict[str, torch.Tensor]:
+    model = Qwen3Model(lc.model_args(False))
+    model.init_weights(lc.SEED)  # what build_model gives every layout (test_layout_invariance checks)
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_the_weights_need_several_buckets():
+    numels = [p.numel() for _, p in sorted(reference_weights().items())]
+    assert len(weight_buckets(numels, 4, cases.BUCKET_BYTES)) > 2
+
+
+@pytest.mark.parametrize("layout", cases.ROLLOUT_LAYOUTS)
+def test_rollout_ranks_load_each_version_of_the_full_weights(layout_results, layout):
+    ranks = layout_results[4][cases.layout_key(layout)]
+    assert [r["role"] for r in ranks] == ["trainer", "trainer", "rollout", "rollout"]
+    reference = reference_weights()
+    num_bytes = 4 * sum(p.numel() for p in reference.values())
+    assert [r["bytes"] for r in ranks[:2]] == [[num_bytes, num_bytes], [0, 0]]  # rank 0 sends, each tensor once
+    for rank in ranks[2:]:
+        first, second = rank["weights"]
+        assert first.keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(first[name], value), name
+            assert torch.equal(second[name], 2 * value), name
+        assert rank["version"] == 1
+
+
+@pytest.mark.parametrize("layout", cases.ROLLOUT_LAYOUTS)
+def test_two_rollout_ranks_generate_what_one_process_does_and_every_trainer_gets_it(layout_results, layout):
+    ranks = layout_results[4][cases.layout_key(layout)]
+    reference = single_process_rollouts()
+    rollout = ranks[2:]
+    # Each generated a part (split by prompt), and both hold the whole step.
+    assert rollout[0]["local"] and rollout[1]["local"]
+    assert len(rollout[0]["local"]) + len(rollout[1]["local"]) == len(reference)
+    for rank in rollout:
+        assert rank["rollouts"] == rollout[0]["rollouts"]
+        assert rank["versions"] == [0]
+    assert {(p, s): (tokens, logprobs) for p, s, tokens, logprobs in rollout[0]["rollouts"]} == reference
+    for trainer in ranks[:2]:
+        assert trainer["rollouts"] == rollout[0]["rollouts"]

@@ -1,0 +1,100 @@
+"""The rollout ranks' schedule and bookkeeping, without processes: which weights generate each
+step (against the definition: the lag never exceeds max_staleness and is as small as the run
+allows), which versions the trainers send (against the set the schedule uses, by brute force),
+how the weights are cut into broadcasts, which saved rollouts a resumed run keeps, and the
+config rules of rollout ranks."""
+
+import pytest
+
+from test_config import assert_error, parse
+from torchtitan_rl.recipes.base import build_parallel_dims
+from torchtitan_rl.rl.rollout_ranks import (
+    StepBatch,
+    generation_version,
+    is_version_sent,
+    staleness,
+    usable_in_flight,
+    weight_buckets,
+)
+
+GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2, 5])
+@pytest.mark.parametrize("start", [0, 3])
+def test_each_step_uses_the_newest_weights_within_the_staleness_bound(max_staleness, start):
+    num_steps = 12
+    versions = [generation_version(step, start, max_staleness) for step in range(start + 1, num_steps + 1)]
+    for step, version in zip(range(start + 1, num_steps + 1), versions):
+        # Weights exist from the run's start on, and only for finished steps.
+        assert start <= version <= step - 1
+        assert 0 <= staleness(step, version) <= max_staleness
+        # Newest possible: one version later would lag less than allowed only by breaking the bound
+        # the other way (generating ahead by more than max_staleness steps), or does not exist yet.
+        assert version == start or staleness(step, version) == max_staleness
+    assert versions == sorted(versions)
+    if max_staleness == 0:
+        assert versions == list(range(start, num_steps))  # the colocated run's schedule
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2, 20])
+@pytest.mark.parametrize("start", [0, 4])
+def test_the_trainers_send_exactly_the_versions_a_later_step_is_generated_with(max_staleness, start):
+    num_steps = 10
+    used = {generation_version(step, start, max_staleness) for step in range(start + 1, num_steps + 1)}
+    # The start version goes out with the start message; after that, one send per step whose weights are used.
+    sent = {
+        version for version in range(start + 1, num_steps + 1) if is_version_sent(version, num_steps, max_staleness)
+    }
+    assert sent == used - {start}
+
+
+def test_weight_buckets_fill_in_order_up_to_the_limit():
+    numels = [3, 5, 2, 9, 1, 1, 4, 30, 2]
+    itemsize, limit = 2, 16
+    buckets = weight_buckets(numels, itemsize, limit)
+    assert [i for bucket in buckets for i in bucket] == list(range(len(numels)))
+    for bucket, following in zip(buckets, buckets[1:] + [None]):
+        size = sum(numels[i] for i in bucket) * itemsize
+        assert size <= limit or len(bucket) == 1  # a parameter above the limit goes alone
+        if following is not None:
+            assert size + numels[following[0]] * itemsize > limit  # full: the next one did not fit
+    assert weight_buckets(numels, itemsize, 10**9) == [list(range(len(numels)))]
+
+
+def batch(step: int, version: int) -> StepBatch:
+    return StepBatch(step, version, [], [], {}, {"epoch": 0, "position": step}, 0, 0.0)
+
+
+def test_a_resumed_run_keeps_the_saved_rollouts_its_staleness_allows_up_to_the_first_it_does_not():
+    # Saved after step 4 of a run with max_staleness 3: steps 5, 6, 7 from the weights after steps 1, 2, 3.
+    saved = {5: batch(5, 1), 6: batch(6, 2), 7: batch(7, 3)}
+    assert usable_in_flight(saved, 4, 3) == saved
+    assert usable_in_flight(saved, 4, 0) == {}  # every one lags
+    # max_staleness 3 -> 2: step 5 lags 3 (dropped), so 6 and 7 are generated again after it.
+    assert usable_in_flight(saved, 4, 2) == {}
+    later = {5: batch(5, 4), 6: batch(6, 4), 7: batch(7, 4)}  # lags 0, 1, 2
+    assert usable_in_flight(later, 4, 1) == {5: later[5], 6: later[6]}
+    assert usable_in_flight({6: batch(6, 4)}, 4, 2) == {}  # step 5 missing: nothing after it is kept
+
+
+def test_rollout_rank_config_rules_name_the_key():
+    cfg = parse(*GRPO, "--parallelism.rollout_ranks", "1", "--rl.max_staleness", "2")
+    assert (cfg.parallelism.rollout_ranks, cfg.rl.max_staleness) == (1, 2)
+    assert_error(["--parallelism.rollout_ranks", "1"], "parallelism.rollout_ranks: only used with job.recipe = 'grpo'")
+    assert_error([*GRPO, "--rl.max_staleness", "1"], "rl.max_staleness=1", "parallelism.rollout_ranks >= 1")
+    assert_error([*GRPO, "--parallelism.rollout_ranks", "-1"], "parallelism.rollout_ranks")
+    assert_error([*GRPO, "--comm.rollout_timeout_seconds", "0"], "comm.rollout_timeout_seconds")
+
+
+def test_rollout_ranks_leave_the_rest_of_the_launch_to_the_training_degrees():
+    cfg = parse(*GRPO, "--parallelism.rollout_ranks", "1")
+    dims = build_parallel_dims(cfg, 3)
+    assert (dims.world_size, dims.dp_shard, dims.num_rollout_ranks) == (2, 2, 1)
+    with pytest.raises(ValueError, match=r"parallelism.rollout_ranks=1 leaves no training rank in a launch of 1"):
+        build_parallel_dims(cfg, 1)
+    tp = parse(*GRPO, "--parallelism.rollout_ranks", "2", "--parallelism.tensor_parallel_degree", "2")
+    with pytest.raises(
+        ValueError, match=r"the number of training ranks 3 \(the world size less parallelism.rollout_ranks=2\)"
+    ):
+        build_parallel_dims(tp, 5)
