@@ -137,17 +137,17 @@ def layout_runs(tmp_path_factory) -> dict:
     options = [*LAYOUT_OPTIONS.split(), "--checkpoint.initial_load_path", str(start)]
     for name, num_ranks, extra in ASYNC_RUNS:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
-    resumed = out / "async_resumed"
-    shutil.copytree(out / "async_k2_dp2", resumed)
-    shutil.rmtree(resumed / "checkpoint" / f"step-{LAYOUT_STEPS}")
-    shutil.rmtree(resumed / "tb")
-    resumed_log = launch(resumed, 3, *options, "--training.steps", str(LAYOUT_STEPS), *ASYNC_K2, *ASYNC_CHECKPOINTS)
-    assert f"resuming after step {ASYNC_SAVED}" in resumed_log
-    # The same checkpoint resumed at staleness 0: its rollouts in flight lag too much.
-    synchronous = out / "async_resumed_k0"
-    shutil.copytree(resumed, synchronous)
-    shutil.rmtree(synchronous / "tb")
-    launch(synchronous, 3, *options, "--training.steps", str(LAYOUT_STEPS), *ROLLOUT_RANK, *ASYNC_CHECKPOINTS)
+    # The staleness-2 run resumed after step 2 at staleness 2, and at staleness 0 (its rollouts in
+    # flight then lag too much).
+    for name, staleness_options in (("async_resumed", ASYNC_K2), ("async_resumed_k0", ROLLOUT_RANK)):
+        resumed = out / name
+        shutil.copytree(out / "async_k2_dp2", resumed)
+        shutil.rmtree(resumed / "checkpoint" / f"step-{LAYOUT_STEPS}")
+        shutil.rmtree(resumed / "tb")
+        log = launch(
+            resumed, 3, *options, "--training.steps", str(LAYOUT_STEPS), *staleness_options, *ASYNC_CHECKPOINTS
+        )
+        assert f"resuming after step {ASYNC_SAVED}" in log
     return {
         name: read_scalars(str(out / folder / "tb"))
         for name, folder in (
