@@ -218,11 +218,13 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
 
 @pytest.mark.parametrize("layout", ["async_k0_one", "async_k0_dp2"])
 def test_rollout_ranks_at_staleness_0_log_the_colocated_numbers(layout_runs, layout):
-    baseline, test = layout_runs["one"], layout_runs[layout]
-    for tag in (*LAYOUT_TAGS, "rl/pass@1", "rl/groups_mixed", "rl/sampler_logprob_diff_mean"):
-        assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), tag
-        for step, value in baseline[tag].items():
-            assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    test = layout_runs[layout]
+    for colocated in ("one", "dp2"):
+        baseline = layout_runs[colocated]
+        for tag in (*LAYOUT_TAGS, "rl/pass@1", "rl/groups_mixed", "rl/sampler_logprob_diff_mean"):
+            assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), tag
+            for step, value in baseline[tag].items():
+                assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (colocated, tag, step)
     assert set(test["rl/staleness_max"].values()) == {0.0}
     assert set(test["rl/dropped_stale"].values()) == {0.0}
     # Weights went out after every step whose weights generate a later one.

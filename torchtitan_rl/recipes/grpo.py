@@ -338,10 +338,11 @@ class GRPORecipe(Recipe):
         values = dict(batch.values)
         # Every rank holds every group: the metrics need no reduction.
         values.update(self._rollout_metrics(batch.generated, batch.kept, None))
-        lag = staleness(step, batch.version)
-        values.update(
-            {"rl/staleness_mean": float(lag), "rl/staleness_max": float(lag), "rl/dropped_stale": num_dropped}
-        )
+        # From the rollouts' own versions: what is trained, not what the schedule meant.
+        lags = [staleness(step, r.version) for g in batch.kept for r in g.rollouts] or [0]
+        values["rl/staleness_mean"] = sum(lags) / len(lags)
+        values["rl/staleness_max"] = float(max(lags))
+        values["rl/dropped_stale"] = float(num_dropped)
         return [g for g in batch.kept if g.slot in mine], values, batch.num_generated
 
     def _rollout_metrics(self, generated: list[ScoredGroup], kept: list[ScoredGroup], mesh) -> dict[str, float]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torchtitan_rl.recipes.base import RunContext, model_args_from_config
 from torchtitan_rl.recipes.grpo_data import build_generator, read_task, sampling_params
 from torchtitan_rl.rl.rollout_ranks import (
+    FINISHED,
     Outbox,
     StepBatch,
     WeightReceiver,
@@ -95,6 +96,8 @@ class RolloutWorker:
             for trainer in range(self.topology.num_trainers):
                 self.outbox.send(batch, trainer)
         self.outbox.flush(self.topology, "the training ranks took no rollouts")
+        message = receive_object(0, self.topology, "training rank 0 did not finish (its last steps and checkpoint)")
+        assert message == FINISHED, message
 
     def _all_generated(self, num_generated: int) -> int:
         """The step's generated tokens over the rollout ranks (each generated a part)."""

@@ -10,7 +10,8 @@ messages, all on torch.distributed (gloo on CPU, NCCL for the weights on GPU):
   ``BUCKET_BYTES``, in the generator's dtype: a bounded number of collectives, each tensor
   once. Version v is the policy after RL step v (0: the one RL starts from);
 - a step's rollouts (the first rollout rank -> every training rank, point to point): a
-  pickled ``StepBatch``.
+  pickled ``StepBatch``;
+- finished (training rank 0 -> every rollout rank): training and its last checkpoint are done.
 
 The schedule is a function of (step, max_staleness K, start) only: step t is generated with
 version ``generation_version(t)`` = max(start, t - 1 - K), so the rollouts of a step, their
@@ -41,6 +42,7 @@ from torchtitan_rl.rl.rollouts import ScoredGroup
 logger = logging.getLogger(__name__)
 
 BUCKET_BYTES = 1 << 30  # weights per broadcast, at most (one parameter larger than this goes alone)
+FINISHED = "finished"  # training rank 0's last message to the rollout ranks
 
 
 def generation_version(step: int, start: int, max_staleness: int) -> int:
@@ -303,9 +305,14 @@ class RolloutClient:
             self._next_received += 1
 
     def finish(self) -> None:
-        """Wait until the rollout ranks have what was sent to them."""
+        """Tell the rollout ranks that training is over (the last checkpoint written) and wait
+        until they have everything sent to them: until then they wait with the rollout
+        timeout, not at the launch's final barrier, whose timeout is the init one."""
+        if dist.get_rank() == 0:
+            for rank in self.topology.rollout_ranks:
+                self._outbox.send(FINISHED, rank)
         self.sender.wait()
-        self._outbox.flush(self.topology, f"rollout ranks {self.topology.rollout_ranks} took no start message")
+        self._outbox.flush(self.topology, f"rollout ranks {self.topology.rollout_ranks} took no message")
 
     def state_dict(self) -> dict[str, Any]:
         return {"in_flight": pickle.dumps(sorted(self.in_flight.values(), key=lambda b: b.step))}
