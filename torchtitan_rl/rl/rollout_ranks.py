@@ -121,13 +121,12 @@ class Outbox:
 
     pending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
-    def send(self, obj: Any, dst: int) -> int:
-        """Start sending ``obj`` (pickled) to rank ``dst``; returns its bytes."""
+    def send(self, obj: Any, dst: int) -> None:
+        """Start sending ``obj`` (pickled) to rank ``dst``."""
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         self.pending += [(dist.isend(size, dst), size), (dist.isend(payload, dst), payload)]
         self.pending = [(work, buffer) for work, buffer in self.pending if not work.is_completed()]
-        return payload.numel()
 
     def flush(self, topology: RolloutTopology, what: str) -> None:
         for work, _ in self.pending:
@@ -161,6 +160,10 @@ def weight_buckets(numels: list[int], itemsize: int, limit: int) -> list[list[in
     return buckets
 
 
+def _full(param: torch.Tensor) -> torch.Tensor:
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
 class WeightSender:
     """The training ranks' side of the weight broadcast. Every training rank calls ``send`` (a
     sharded parameter is gathered with ``full_tensor()``); rank 0 broadcasts without waiting
@@ -175,22 +178,21 @@ class WeightSender:
     def send(self, model: nn.Module, version: int) -> int:
         """Broadcast ``model``'s weights as ``version``; returns the bytes sent."""
         self.wait()
-        names = sorted(name for name, _ in model.named_parameters())
         params = dict(model.named_parameters())
-        full = []
-        for name in names:
-            value = params[name]
-            value = value.full_tensor() if isinstance(value, DTensor) else value
-            full.append(value.detach().to(self.dtype).reshape(-1) if self.is_sender else None)
-        if not self.is_sender:
-            return 0
-        numels = [t.numel() for t in full]
+        names = sorted(params)
+        numels = [params[name].numel() for name in names]  # global sizes, DTensor or not
         header = torch.tensor([version, sum(numels)], dtype=torch.int64)
         group = self.topology.weight_group
-        self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
+        if self.is_sender:
+            self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
         for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
-            flat = torch.cat([full[i] for i in bucket]).to(self.device)
-            self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
+            # One bucket's full tensors at a time: every rank joins each gather, rank 0 keeps them.
+            parts = [_full(params[names[i]]).to(self.dtype).reshape(-1) for i in bucket]
+            if self.is_sender:
+                flat = torch.cat(parts).to(self.device)
+                self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
+        if not self.is_sender:
+            return 0
         return sum(numels) * self.dtype.itemsize
 
     def wait(self) -> None:
