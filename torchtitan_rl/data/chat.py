@@ -20,14 +20,14 @@ from typing import Any
 from torchtitan_rl.data.images import is_url
 from torchtitan_rl.data.tokenizer import IM_END_TOKEN, IM_START_TOKEN, Tokenizer
 
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # tool: a tool's output in a multi-turn episode
 TRAINED_ROLE = "assistant"
 CONTENT_PART_TYPES = ("text", "image")
 IMAGE_MARKER = "<image>"
 """Stands for the next image of a row's top-level ``images`` list in its text."""
 
 ACCEPTED_FORMATS = (
-    "{'messages': [{'role': 'system'|'user'|'assistant', 'content': str or a list of "
+    "{'messages': [{'role': 'system'|'user'|'assistant'|'tool', 'content': str or a list of "
     "{'type': 'text', 'text': str} / {'type': 'image', 'image': path|bytes|PIL image} parts}, ...]}, "
     "{'prompt': str, 'completion': str}, or {'text': str}; text may hold '<image>' markers for the "
     "entries of a top-level 'images' list"
@@ -299,3 +299,18 @@ def tokenize_prompt(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) ->
         raise ValueError(f"invalid generation prompt: {problem}")
     tokens, _ = _tokenize_messages(messages, tokenizer)
     return tokens + _header(TRAINED_ROLE, tokenizer)
+
+
+def tokenize_observation(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
+    """The tokens that follow an assistant turn's ``<|im_end|>`` in a multi-turn episode: the
+    template's newline, ``messages`` (an environment's answer, e.g. a ``tool`` message) and the
+    next assistant header. Prompt, sampled turns and these pieces together are exactly the
+    tokens ``tokenize_row`` gives the whole conversation, so an SFT row of an episode and the
+    RL episode see the same tokens."""
+    problem = _messages_problem(list(messages))
+    if problem is None and any(m["role"] == TRAINED_ROLE for m in messages):
+        problem = "an observation cannot contain an assistant turn"
+    if problem is not None:
+        raise ValueError(f"invalid observation: {problem}")
+    tokens, _ = _tokenize_messages(messages, tokenizer)
+    return tokenizer.encode("\n") + tokens + _header(TRAINED_ROLE, tokenizer)

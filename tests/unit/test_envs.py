@@ -1,0 +1,118 @@
+"""Multi-turn environments: the calculator's arithmetic against Python's on random expressions
+(and what it refuses), both built-ins' answers turn by turn, loading a user's environment by
+import path with named errors, and the observation tokens against the tokens of the whole
+conversation as an SFT row."""
+
+import random
+
+import pytest
+
+from torchtitan_rl.data.chat import tokenize_observation, tokenize_prompt, tokenize_row
+from torchtitan_rl.data.tokenizer import build_tokenizer
+from torchtitan_rl.rl.envs import ENVIRONMENTS, EnvStep, load_environment
+from torchtitan_rl.rl.envs.calculator import CalculatorEnv, evaluate
+from torchtitan_rl.rl.envs.guess_number import GuessNumberEnv
+from torchtitan_rl.rl.tasks.task import Problem
+
+
+def random_expression(rng: random.Random, depth: int = 3) -> str:
+    if depth == 0 or rng.random() < 0.3:
+        return str(rng.randint(0, 999))
+    left, right = random_expression(rng, depth - 1), random_expression(rng, depth - 1)
+    text = f"{left} {rng.choice('+-*')} {right}"
+    return f"({text})" if rng.random() < 0.5 else text
+
+
+def test_the_calculator_computes_what_python_does():
+    rng = random.Random(0)
+    for _ in range(300):
+        expression = random_expression(rng)
+        assert evaluate(expression) == eval(expression), expression  # noqa: S307  (the reference)
+    assert evaluate(" -3 * (2 + 4) ") == -18
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["__import__('os')", "2 ** 100", "7 / 2", "abs(-1)", "1.5 + 1", "x + 1", "", "9" * 20 + "*" + "9" * 20],
+)
+def test_the_calculator_refuses_anything_else(expression):
+    with pytest.raises(ValueError):
+        evaluate(expression)
+
+
+def problem(question: str, answer: str) -> Problem:
+    return Problem(({"role": "user", "content": question},), answer, "test #0")
+
+
+def test_the_calculator_environment_answers_tool_calls_and_scores_the_answer():
+    env = CalculatorEnv(problem("What is 123 * 45 + 6?", "5541"), tool_reward=0.1)
+    assert env.reset() == [{"role": "user", "content": "What is 123 * 45 + 6?"}]
+    assert env.step("<tool>123 * 45 + 6</tool>") == EnvStep(
+        [{"role": "tool", "content": "<result>5541</result>"}], 0.1, False
+    )
+    broken = env.step("<tool>123 / 0</tool>")
+    assert broken.observation[0]["content"].startswith("<error>") and broken.reward == 0 and not broken.done
+    assert env.step(" 5541 ") == EnvStep(None, 1.0, True, True)
+    assert env.step("5540") == EnvStep(None, 0.0, True, False)
+
+
+def test_guess_number_leads_a_bisecting_policy_to_the_secret_with_a_reward_falling_by_turn():
+    for secret in range(1, 17):
+        env = GuessNumberEnv(problem("Guess my number between 1 and 16.", str(secret)))
+        low, high, turns = 1, 16, 0
+        while True:
+            guess = (low + high) // 2
+            turns += 1
+            result = env.step(str(guess))
+            if result.done:
+                break
+            hint = result.observation[0]["content"]
+            low, high = (guess + 1, high) if hint == "higher" else (low, guess - 1)
+        assert result.correct and result.reward == pytest.approx(max(0.0, 1 - 0.2 * (turns - 1)))
+    assert GuessNumberEnv(problem("?", "3")).step("three") == EnvStep(None, 0.0, True, False)
+
+
+def test_environments_load_by_name_or_import_path_and_broken_ones_are_named():
+    assert load_environment("calculator") is ENVIRONMENTS["calculator"] is CalculatorEnv
+    echo = load_environment("env_plugins:Echo")
+    env = echo(problem("Say 7", "7"))
+    assert env.step("6").observation == [{"role": "user", "content": "again"}] and env.step("7").correct
+    cases = {
+        "calculater": "not a built-in environment (calculator, guess_number) nor an import path",
+        "no_such_module:Env": "cannot import 'no_such_module'",
+        "env_plugins:Missing": "module 'env_plugins' has no 'Missing'",
+        "env_plugins:NoStep": "NoStep has no step()",
+        "env_plugins:NeedsTwoArguments": "NeedsTwoArguments(problem) cannot be called with a problem",
+        "env_plugins:not_a_class": "is not a class but a function",
+    }
+    for name, message in cases.items():
+        with pytest.raises(ValueError, match=f"rl.env = {name!r}") as info:
+            load_environment(name)
+        assert message in str(info.value), (name, str(info.value))
+
+
+def test_observation_tokens_complete_the_conversation_exactly_as_an_sft_row():
+    tokenizer = build_tokenizer("")
+    prompt = [{"role": "system", "content": "Use the tool."}, {"role": "user", "content": "What is 12 * 34?"}]
+    turns = ["<tool>12 * 34</tool>", "408"]
+    observation = [{"role": "tool", "content": "<result>408</result>"}]
+    end = [tokenizer.im_end_id]
+    episode = tokenize_prompt(prompt, tokenizer)
+    sampled = [False] * len(episode)
+    first = tokenizer.encode(turns[0]) + end
+    episode += first
+    sampled += [True] * len(first)
+    appended = tokenize_observation(observation, tokenizer)
+    episode += appended
+    sampled += [False] * len(appended)
+    second = tokenizer.encode(turns[1]) + end
+    episode += second
+    sampled += [True] * len(second)
+    conversation = [*prompt, {"role": "assistant", "content": turns[0]}, *observation]
+    conversation.append({"role": "assistant", "content": turns[1]})
+    tokens, target_mask = tokenize_row({"messages": conversation}, tokenizer)
+    # The row ends with the template's newline after the last <|im_end|>, never sampled.
+    assert tokens[:-1] == episode and tokens[-1:] == tokenizer.encode("\n")
+    assert target_mask[:-1] == sampled
+    with pytest.raises(ValueError, match="invalid observation: an observation cannot contain an assistant turn"):
+        tokenize_observation([{"role": "assistant", "content": "x"}], tokenizer)

@@ -1,0 +1,118 @@
+"""Multi-turn episodes (``rl/episodes.py``): the KV-cache path equals recomputing each row's whole
+episode at every token (tokens exactly, log-probs to float rounding), with observations of
+different lengths arriving at different times and episodes ending for every reason; the
+result's masks and log-probs line up with what was sampled and what the caller appended; a
+single-turn episode is the single-turn rollout; and an episode does not depend on the batch
+it is generated in."""
+
+import pytest
+import torch
+
+from test_generator import ARGS, PROMPTS, generate, generator_for, noisy_model
+from torchtitan_rl.rl.episodes import generate_episodes
+from torchtitan_rl.rl.generator import SamplingParams
+
+STOPS = tuple(range(8))  # a noisy model draws one of them every few tokens
+MAX_LEN = 48
+
+
+def scripted_respond(log: list | None = None):
+    """An environment of tokens: after a turn that stopped with token 1 or 3 the episode ends;
+    else it answers with 1 + (turn length mod 4) tokens 40, 41, ... (observations of different
+    lengths)."""
+
+    def respond(p: int, s: int, turn: list[int]) -> list[int] | None:
+        if log is not None:
+            log.append((p, s, list(turn)))
+        assert turn[-1] in STOPS
+        if turn[-1] in (1, 3):
+            return None
+        return [40 + i for i in range(1 + len(turn) % 4)]
+
+    return respond
+
+
+def episodes(gen, prompts=PROMPTS, num_samples=4, max_turns=3, seed=5, max_len=MAX_LEN, respond=None, **params):
+    params.setdefault("max_new_tokens", 8)
+    params.setdefault("stop_token_ids", STOPS)
+    return generate_episodes(
+        gen,
+        prompts,
+        list(range(len(prompts))),
+        num_samples,
+        SamplingParams(**params),
+        seed,
+        2,
+        respond or scripted_respond(),
+        max_turns,
+        max_len,
+    )
+
+
+@pytest.fixture(scope="module")
+def model():
+    return noisy_model(std=0.6)
+
+
+def test_the_cache_equals_recomputing_every_episode(model):
+    cached = episodes(generator_for(model, max_prompts_per_batch=3))
+    recomputed = episodes(generator_for(model, max_prompts_per_batch=3, kv_cache=False))
+    assert [(e.prompt_index, e.sample_index) for e in cached] == [(p, s) for p in range(3) for s in range(4)]
+    for c, r in zip(cached, recomputed):
+        assert (c.tokens, c.sampled, c.num_turns, c.end_reason) == (r.tokens, r.sampled, r.num_turns, r.end_reason)
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(r.logprobs), atol=1e-5)
+    # Premises: several turns happened, and episodes ended for every reason.
+    assert max(e.num_turns for e in cached) >= 3
+    assert {e.end_reason for e in cached} == {"done", "max_turns", "length"}
+
+
+def test_masks_and_logprobs_line_up_with_what_was_sampled_and_appended(model):
+    log: list = []
+    result = episodes(generator_for(model), respond=scripted_respond(log))
+    turns = {}
+    for p, s, turn in log:
+        turns.setdefault((p, s), []).append(turn)
+    for episode in result:
+        prompt = PROMPTS[episode.prompt_index]
+        assert episode.tokens[: len(prompt)] == prompt and not any(episode.sampled[: len(prompt)])
+        assert len(episode.tokens) == len(episode.sampled) == len(episode.logprobs) <= MAX_LEN
+        # Rebuild the episode by hand: each turn's tokens sampled, each observation not.
+        expected_tokens, expected_mask = list(prompt), [False] * len(prompt)
+        answered = turns.get((episode.prompt_index, episode.sample_index), [])
+        for i, turn in enumerate(answered):
+            expected_tokens += turn
+            expected_mask += [True] * len(turn)
+            observation = scripted_respond()(0, 0, turn)
+            if observation is not None and i + 1 < episode.num_turns:
+                expected_tokens += observation
+                expected_mask += [False] * len(observation)
+        tail = episode.tokens[len(expected_tokens) :]  # a last turn cut before its stop token
+        assert episode.tokens[: len(expected_tokens)] == expected_tokens
+        assert episode.sampled == expected_mask + [True] * len(tail)
+        assert all((lp < 0) == sampled for lp, sampled in zip(episode.logprobs, episode.sampled))
+        assert (episode.end_reason == "length") == (not answered or len(tail) > 0 or episode.num_turns > len(answered))
+
+
+def test_a_single_turn_episode_is_the_single_turn_rollout(model):
+    gen = generator_for(model)
+    rollouts = generate(gen, num_samples=4, seed=5, step=2, max_new_tokens=8, stop_token_ids=STOPS)
+    single = episodes(gen, respond=lambda p, s, turn: None)
+    for rollout, episode in zip(rollouts, single):
+        assert episode.tokens == rollout.prompt_tokens + rollout.completion_tokens
+        assert episode.logprobs[len(rollout.prompt_tokens) :] == pytest.approx(rollout.logprobs, abs=1e-5)
+        assert episode.num_turns == 1
+
+
+def test_an_episode_does_not_depend_on_its_batch(model):
+    together = episodes(generator_for(model, max_prompts_per_batch=3))
+    alone = episodes(generator_for(model, max_prompts_per_batch=1))
+    for a, b in zip(together, alone):
+        assert a.tokens == b.tokens and a.num_turns == b.num_turns
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_prompts_that_leave_no_room_are_refused(model):
+    with pytest.raises(ValueError, match="prompt 2: 17 tokens leave no room in an episode of 17 tokens"):
+        episodes(generator_for(model), max_len=17)
+    with pytest.raises(ValueError, match="exceed the model's max_seq_len"):
+        episodes(generator_for(model), max_len=ARGS.max_seq_len + 1)

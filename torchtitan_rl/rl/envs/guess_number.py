@@ -1,0 +1,31 @@
+"""The ``guess_number`` environment: find a secret number from "higher" / "lower" feedback.
+
+The problem's answer is the secret. Each turn the policy says a number; the environment answers
+``higher`` or ``lower`` (a ``user`` message) until it is found. Reward: 1 for finding it in the
+first turn, ``penalty`` less for every further turn, at least 0; a turn that is not a number
+ends the episode with 0.
+"""
+
+from torchtitan_rl.rl.envs.base import EnvStep
+from torchtitan_rl.rl.tasks.task import Problem
+
+
+class GuessNumberEnv:
+    def __init__(self, problem: Problem, penalty: float = 0.2):
+        self.problem, self.penalty = problem, penalty
+        self.secret = int(problem.answer)
+        self.num_turns = 0
+
+    def reset(self) -> list[dict]:
+        return [dict(m) for m in self.problem.messages]
+
+    def step(self, completion: str) -> EnvStep:
+        self.num_turns += 1
+        try:
+            guess = int(completion.strip())
+        except ValueError:
+            return EnvStep(None, 0.0, True)
+        if guess == self.secret:
+            return EnvStep(None, max(0.0, 1.0 - self.penalty * (self.num_turns - 1)), True, True)
+        hint = "higher" if guess < self.secret else "lower"
+        return EnvStep([{"role": "user", "content": hint}], 0.0, False)
