@@ -101,7 +101,7 @@ def test_unused_none_columns_are_ignored():
         ({"messages": "hi"}, "non-empty list"),
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"role": "user", "content": None}]}, "string 'content'"),
-        ({"messages": [{"role": "tool", "content": "{}"}]}, "unsupported chat role 'tool'"),
+        ({"messages": [{"role": "function", "content": "{}"}]}, "unsupported chat role 'function'"),
     ],
 )
 def test_invalid_rows_name_keys_and_formats(row, reason):
@@ -114,8 +114,8 @@ def test_invalid_rows_name_keys_and_formats(row, reason):
 
 
 def test_render_chat_rejects_unknown_role():
-    with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
-        render_chat([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unsupported chat role 'function'"):
+        render_chat([{"role": "function", "content": "x"}])
 
 
 # ---------------------------------------------------------------- generation prompts
@@ -139,8 +139,8 @@ def test_prompt_accepts_tuples_and_rejects_assistant_turns():
     assert tokenize_prompt(tuple(messages), tokenizer) == tokenize_prompt(messages, tokenizer)
     with pytest.raises(ValueError, match="must not contain an 'assistant' turn"):
         tokenize_prompt(CONVERSATION[:3], tokenizer)
-    with pytest.raises(ValueError, match="unsupported chat role 'tool'"):
-        tokenize_prompt([{"role": "tool", "content": "x"}], tokenizer)
+    with pytest.raises(ValueError, match="unsupported chat role 'function'"):
+        tokenize_prompt([{"role": "function", "content": "x"}], tokenizer)
 
 
 # ---------------------------------------------------------------- rows with images

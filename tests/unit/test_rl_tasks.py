@@ -1,3 +1,4 @@
+import functools
 import json
 import operator
 import re
@@ -5,6 +6,7 @@ import re
 import pytest
 
 from torchtitan_rl.data.chat import tokenize_prompt, tokenize_row
+from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS
 from torchtitan_rl.data.tasks import BUILTIN_TASKS, IMAGE_TASKS
 from torchtitan_rl.data.tokenizer import ByteTokenizer
 from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, answered_rows, build_task
@@ -140,10 +142,12 @@ def test_builtin_answers_are_correct():
 
 
 def test_too_few_distinct_questions_is_an_error(monkeypatch):
-    import torchtitan_rl.rl.tasks.builtin as builtin
+    import torchtitan_rl.rl.tasks as tasks
+    from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools
 
     # Three possible questions: all of them land in the train pool, none is left for eval.
-    monkeypatch.setitem(builtin.QUESTION_GENERATORS, "arithmetic", lambda rng: (f"q{rng.randint(0, 2)}", "a"))
+    three = functools.partial(builtin_problem_pools, "arithmetic", lambda rng: (f"q{rng.randint(0, 2)}", "a"))
+    monkeypatch.setitem(tasks.TASKS, "arithmetic", three)
     assert len(build_task("arithmetic", num_train=3, num_eval=0, seed=0).train_problems) == 3
     with pytest.raises(ValueError, match="only 0 distinct eval problems of the 1") as error:
         build_task("arithmetic", num_train=3, num_eval=1, seed=0)
@@ -262,7 +266,7 @@ GOOD = json.dumps({"prompt": "q", "answer": "a"})
             '{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "answer": "a"}',
             "must not contain an 'assistant' turn",
         ),
-        ('{"messages": [{"role": "tool", "content": "q"}], "answer": "a"}', "unsupported chat role 'tool'"),
+        ('{"messages": [{"role": "function", "content": "q"}], "answer": "a"}', "unsupported chat role 'function'"),
         ('{"messages": [], "answer": "a"}', "non-empty list"),
     ],
 )
@@ -322,7 +326,12 @@ def assert_names_config_keys(message: str) -> None:
 @pytest.mark.parametrize(
     "name, options, match",
     [
-        ("sudoku", {}, r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'jsonl', 'reverse'\]"),
+        (
+            "sudoku",
+            {},
+            r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'calculator', 'guess_number', 'jsonl', "
+            r"'reverse'\]",
+        ),
         ("arithmetic", {"path": "data.jsonl"}, "rl.task_path='data.jsonl'"),
         ("reverse", {"answer_match": "numeric"}, "rl.answer_match: .* must be 'exact'"),
         ("arithmetic", {"num_train": 0}, "rl.num_train_prompts: task 'arithmetic' needs at least 1"),
@@ -337,6 +346,7 @@ def test_unused_or_invalid_options_are_rejected(name, options, match):
 
 
 def test_registry_names():
-    assert sorted(TASKS) == ["arithmetic", "jsonl", "reverse"]
-    # Every text SFT task is an RL task; image tasks are SFT-only (the generator has no vision input).
-    assert set(TASKS) - {"jsonl"} == set(BUILTIN_TASKS) - set(IMAGE_TASKS)
+    assert sorted(TASKS) == ["arithmetic", "calculator", "guess_number", "jsonl", "reverse"]
+    # Every text SFT task is an RL task; image tasks are SFT-only (the generator has no vision input);
+    # the environments' problems are RL-only (their answers take several turns).
+    assert set(TASKS) - {"jsonl", *ENV_QUESTION_GENERATORS} == set(BUILTIN_TASKS) - set(IMAGE_TASKS)

@@ -375,9 +375,22 @@ class MoE:
 class RL:
     """GRPO (job.recipe = "grpo"): prompts, rewards, advantages, updates, evaluation."""
 
-    task: Literal["arithmetic", "reverse", "jsonl"] = "arithmetic"
+    task: Literal["arithmetic", "reverse", "calculator", "guess_number", "jsonl"] = "arithmetic"
     """Verifiable task: a built-in one, or jsonl (rows {"prompt" | "messages", "answer"} in
-    rl.task_path)."""
+    rl.task_path). calculator and guess_number are the problems of the environments of those
+    names (rl.env)."""
+
+    env: str = ""
+    """Multi-turn environment: a built-in one (calculator, guess_number) or a user's class as
+    "package.module:ClassName" (imported and checked at start-up); "" = single-turn, the task's
+    verifier scores each completion. Each episode is made from one of rl.task's problems, gives
+    the first messages and answers every turn of the policy; an episode ends when the
+    environment says so, after rl.max_turns turns, or when it would not fit training.seq_len.
+    Its reward is the sum of its turns' rewards. Observation tokens (tool outputs, the chat
+    template's glue) are attended to but carry no loss."""
+
+    max_turns: int = bounded(4, ge=1)
+    """With rl.env: the most turns of the policy per episode."""
 
     task_path: str = ""
     """The .jsonl file (or directory of them) of the jsonl task."""
@@ -450,8 +463,9 @@ class RL:
     loss.kl_coef; needed exactly when loss.kl_coef > 0."""
 
     eval_interval: int = bounded(0, ge=0)
-    """Evaluate every this many steps (and at the last step): greedy pass@1 and sampled
-    pass@k on the held-out prompts. 0 disables evaluation."""
+    """Evaluate every this many steps (and at the last step, and, on a run that starts RL, at
+    step 0: the policy RL starts from): greedy pass@1 and sampled pass@k on the held-out
+    prompts. 0 disables evaluation."""
 
     eval_num_samples: int = bounded(8, ge=1)
     """k of the sampled pass@k evaluation (completions per held-out prompt)."""

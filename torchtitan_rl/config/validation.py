@@ -224,6 +224,14 @@ def _check_recipe(cfg) -> None:
         raise ValueError(
             f"rl.prompts_per_step={rl.prompts_per_step} is not divisible by rl.num_minibatches={rl.num_minibatches}"
         )
+    defaults = type(rl)()
+    if not rl.env and rl.max_turns != defaults.max_turns:
+        raise ValueError("rl.max_turns: only used with rl.env (a multi-turn environment)")
+    if rl.env and rl.overlong_buffer:
+        raise ValueError(
+            "rl.overlong_buffer: shapes single-turn completions by length; with rl.env an episode's length is its "
+            "environment's business (end it, or lower its reward)"
+        )
     if rl.max_staleness and not cfg.parallelism.rollout_ranks:
         raise ValueError(
             f"rl.max_staleness={rl.max_staleness}: generating ahead of the trainers needs ranks of its own; set "

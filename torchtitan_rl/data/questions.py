@@ -39,3 +39,32 @@ QUESTION_GENERATORS: dict[str, QuestionGenerator] = {
     "arithmetic": arithmetic_question,
     "reverse": reverse_question,
 }
+
+
+# ------------------------------------------------------------------ problems of the RL environments
+# (torchtitan_rl/rl/envs): RL tasks only, not SFT datasets, since their answers are reached over
+# several turns.
+
+
+def calculator_question(rng: random.Random) -> tuple[str, str]:
+    """``What is a * b + c? Use the calculator.`` with two-digit a, b and three-digit c: a
+    four-digit answer no tiny model computes token by token, one call away with the tool."""
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(100, 999)
+    return f"What is {a} * {b} + {c}? Use the calculator.", str(a * b + c)
+
+
+GUESS_LARGEST = 16
+
+
+def guess_number_question(rng: random.Random) -> tuple[str, str]:
+    """A secret number in 1..16 behind a game number (drawn apart from the secret, so it tells
+    nothing; it only makes the prompts of a pool distinct)."""
+    game, secret = rng.randint(0, 9999), rng.randint(1, GUESS_LARGEST)
+    question = f"Game {game}: I picked a number from 1 to {GUESS_LARGEST}. Guess it; I will say higher or lower."
+    return question, str(secret)
+
+
+ENV_QUESTION_GENERATORS: dict[str, QuestionGenerator] = {
+    "calculator": calculator_question,
+    "guess_number": guess_number_question,
+}

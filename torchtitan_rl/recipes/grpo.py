@@ -36,9 +36,16 @@ from torchtitan_rl.recipes.base import (
     compute_dtype,
     start_run,
 )
-from torchtitan_rl.recipes.grpo_data import GENERATION_DTYPES, build_generator, read_task, sampling_params
+from torchtitan_rl.recipes.grpo_data import (
+    GENERATION_DTYPES,
+    build_generator,
+    first_messages,
+    read_task,
+    sampling_params,
+)
 from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
+from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 from torchtitan_rl.rl.rollout_ranks import (
     RolloutClient,
@@ -102,6 +109,7 @@ class GRPORecipe(Recipe):
         run = run or start_run(job_config)
         data = read_task(run)
         self.task, self.train_prompts, self.eval_prompts = data.task, data.train_prompts, data.eval_prompts
+        self.env_class = data.env_class
         super().__init__(
             run,
             num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
@@ -123,7 +131,14 @@ class GRPORecipe(Recipe):
         self.sampler = None
         if self.rollout_client is None:
             self.sampler = StepSampler(
-                job_config, self.task, self.train_prompts, self.tokenizer, self.generator, self.sampling, self.stream
+                job_config,
+                self.task,
+                self.train_prompts,
+                self.tokenizer,
+                self.generator,
+                self.sampling,
+                self.stream,
+                self.env_class,
             )
         self.reference = self._build_reference() if rl.use_reference else None
         extra = {"reference": self.reference.model} if self.reference is not None else None
@@ -212,14 +227,23 @@ class GRPORecipe(Recipe):
     def _warmup_rows(self) -> list[dict]:
         rl = self.job_config.rl
         if rl.task == "jsonl":
-            return answered_rows(self.task.spare_problems)
+            return self._answered(self.task.spare_problems)
         # Other problems of the built-in task, none of them an RL or held-out prompt: the warm-up
         # teaches the format and some skill, RL still has to find the pool's answers.
         num_rows = min(rl.sft_warmup_steps * rl.sft_warmup_batch_size, _WARMUP_POOL_SIZE)  # the loader repeats them
         extra = build_task(rl.task, num_train=num_rows, num_eval=0, seed=self.job_config.debug.seed + 1)
         taken = {p.prompt_key() for p in (*self.task.train_problems, *self.task.eval_problems)}
         kept = tuple(p for p in extra.train_problems if p.prompt_key() not in taken)
-        return answered_rows(kept)
+        return self._answered(kept)
+
+    def _answered(self, problems) -> list[dict]:
+        """SFT rows of ``problems``: their answers, or with an environment that can demonstrate
+        them, whole episodes (its first messages, then the turns that solve the problem)."""
+        demonstrate = getattr(self.env_class, "demonstration", None)
+        if demonstrate is None:
+            return answered_rows(problems)
+        env = self.job_config.rl.env
+        return [{"messages": first_messages(self.env_class, env, p) + demonstrate(p)} for p in problems]
 
     # ------------------------------------------------------------------ the RL step
 
@@ -228,6 +252,12 @@ class GRPORecipe(Recipe):
         steps = cfg.training.steps
         first = self.train_state.step + 1
         logger.info("RL steps %d..%d on %d training rank(s)", first, steps, self.parallel_dims.world_size)
+        if cfg.rl.eval_interval and first == 1:
+            # The policy RL starts from (after the warm-up): the baseline of the held-out curve.
+            values = self.evaluate(0)
+            if self.rank == 0:
+                logger.info("step: 0  eval/pass@1: %.4f", values["eval/pass@1"])
+            self.metrics.write_scalars(0, values)
         for step in range(first, steps + 1):
             with self.memory_profiler.step(step):
                 values = self.train_step(step)
@@ -411,6 +441,12 @@ class GRPORecipe(Recipe):
 
     # ------------------------------------------------------------------ evaluation
 
+    def _is_correct(self, problem, rollout) -> bool:
+        """An episode's environment's verdict, or the task's of a single-turn completion."""
+        if isinstance(rollout, EpisodeRollout):
+            return rollout.correct
+        return self.task.reward(problem, *completion_text(self.tokenizer, rollout)).correct
+
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy pass@1 and sampled pass@k of the policy after ``step`` on the held-out
         prompts, split over the training ranks."""
@@ -421,24 +457,27 @@ class GRPORecipe(Recipe):
         prompts = [self.eval_prompts[i] for i in indices]
         seed = self.job_config.generation.seed
         # Step -step: evaluation draws its own random numbers, never a training rollout's.
-        greedy = self.generator.generate(
-            prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step
-        )
-        sampled = self.generator.generate(prompts, indices, k, self.sampling, seed, -step)
+        engine = self.generator
+        if self.env_class is not None:
+            cfg = self.job_config
+            problems = {i: self.task.eval_problems[i] for i in indices}
+            engine = EpisodeRunner(
+                self.generator,
+                self.env_class,
+                cfg.rl.env,
+                problems,
+                self.tokenizer,
+                cfg.rl.max_turns,
+                cfg.training.seq_len + 1,
+            )
+        greedy = engine.generate(prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step)
+        sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
         for i, index in enumerate(indices):
             problem = self.task.eval_problems[index]
-            correct = [
-                self.task.reward(problem, *completion_text(self.tokenizer, r)).correct
-                for r in sampled[i * k : (i + 1) * k]
-            ]
+            correct = [self._is_correct(problem, r) for r in sampled[i * k : (i + 1) * k]]
             sums += torch.tensor(
-                [
-                    1.0,
-                    float(self.task.reward(problem, *completion_text(self.tokenizer, greedy[i])).correct),
-                    pass_at_k(k, sum(correct), k),
-                    sum(correct) / k,
-                ],
+                [1.0, float(self._is_correct(problem, greedy[i])), pass_at_k(k, sum(correct), k), sum(correct) / k],
                 dtype=torch.float64,
             )
         if dist.is_initialized():

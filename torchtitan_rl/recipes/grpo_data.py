@@ -9,8 +9,9 @@ import torch
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.chat import tokenize_prompt
 from torchtitan_rl.recipes.base import RunContext, check_divisible_by_data_parallel
+from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
-from torchtitan_rl.rl.tasks import Task, build_task
+from torchtitan_rl.rl.tasks import Problem, Task, build_task
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
@@ -24,6 +25,7 @@ class TaskData:
     train_prompts: list[list[int]]
     eval_prompts: list[list[int]]
     stop_token_ids: tuple[int, ...]
+    env_class: type | None  # rl.env's environment, None for a single-turn task
 
 
 def read_task(run: RunContext) -> TaskData:
@@ -63,8 +65,15 @@ def read_task(run: RunContext) -> TaskData:
         )
     tokenizer = run.tokenizer
     stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
-    train_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.train_problems]
-    eval_prompts = [tokenize_prompt(list(p.messages), tokenizer) for p in task.eval_problems]
+    env_class = load_environment(rl.env) if rl.env else None
+
+    def prompt_of(problem: Problem) -> list[int]:
+        # An environment opens its episodes with messages of its own (e.g. its tools' manual).
+        messages = list(problem.messages) if env_class is None else first_messages(env_class, rl.env, problem)
+        return tokenize_prompt(messages, tokenizer)
+
+    train_prompts = [prompt_of(p) for p in task.train_problems]
+    eval_prompts = [prompt_of(p) for p in task.eval_problems]
     problems = [*task.train_problems, *task.eval_problems]
     for problem, prompt in zip(problems, [*train_prompts, *eval_prompts]):
         if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
@@ -72,7 +81,21 @@ def read_task(run: RunContext) -> TaskData:
                 f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
                 f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
             )
-    return TaskData(task, train_prompts, eval_prompts, stop_token_ids)
+    return TaskData(task, train_prompts, eval_prompts, stop_token_ids, env_class)
+
+
+def first_messages(env_class: type, env_name: str, problem: Problem) -> list[dict]:
+    """``env_class(problem).reset()``, or a ValueError naming the environment and the problem."""
+    try:
+        messages = env_class(problem).reset()
+    except Exception as err:  # noqa: BLE001  (a user's environment: name it, whatever it raised)
+        raise ValueError(f"rl.env = {env_name!r} on {problem.source}: reset() raised {err!r}") from err
+    if not isinstance(messages, list):
+        raise ValueError(
+            f"rl.env = {env_name!r} on {problem.source}: reset() returned {type(messages).__name__}, not a list of "
+            "messages"
+        )
+    return messages
 
 
 def build_generator(job_config: JobConfig, model_args, device: torch.device) -> TorchGenerator:

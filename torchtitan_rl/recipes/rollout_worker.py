@@ -53,6 +53,7 @@ class RolloutWorker:
             self.generator,
             sampling_params(cfg, data.stop_token_ids),
             self.stream,
+            data.env_class,
         )
         self.receiver = WeightReceiver(self.topology, self.generator, self.device)
         self.outbox = Outbox()

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_rl.data.balance import assign_to_ranks, rank_loads, sample_cost
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
+from torchtitan_rl.rl.env_rollouts import EpisodeRollout
 from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import OVERLONG_COMPONENT, is_penalized
 from torchtitan_rl.rl.tasks import Reward
@@ -174,8 +175,10 @@ def to_samples(groups: list[ScoredGroup], max_len: int, mask_truncated: bool = F
             num_prompt, num_completion = len(rollout.prompt_tokens) - 1, len(rollout.completion_tokens)
             ids = torch.tensor(tokens, dtype=torch.long)
             trained = not (mask_truncated and is_truncated(rollout))
+            # An episode's observation tokens sit among its completion tokens but carry no loss.
+            sampled = rollout.loss_mask if isinstance(rollout, EpisodeRollout) else [True] * num_completion
             completion = torch.cat(
-                [torch.zeros(num_prompt, dtype=torch.bool), torch.full((num_completion,), trained, dtype=torch.bool)]
+                [torch.zeros(num_prompt, dtype=torch.bool), torch.tensor(sampled, dtype=torch.bool) & trained]
             )
             samples.append(
                 Sample(
@@ -363,6 +366,12 @@ def rollout_sums(
             longest = max(longest, float(len(rollout.completion_tokens)))
             for name, value in reward.components.items():
                 components[name] = components.get(name, 0.0) + value
+    episodes = [r for g in groups for r in g.rollouts if isinstance(r, EpisodeRollout)]
+    if episodes:
+        sums["turns"] = float(sum(e.num_turns for e in episodes))
+        sums["episode_tokens"] = float(sum(len(e.prompt_tokens) + len(e.completion_tokens) for e in episodes))
+        sums["observation_tokens"] = float(sum(e.num_observation_tokens for e in episodes))
+        sums["episodes_truncated"] = float(sum(e.end_reason != "done" for e in episodes))
     sums["filtered_groups"] = float(filtered)
     if masked_truncated is not None:
         sums["masked_truncated"] = float(masked_truncated)
@@ -402,4 +411,11 @@ def rollout_metrics(
         out["rl/overlong/penalized"] = total["overlong_penalized"] / n
     if "masked_truncated" in total:
         out["rl/masked_truncated"] = total["masked_truncated"]
+    if "turns" in total:
+        # Multi-turn episodes: every observation appended answered a call of the policy's.
+        out["rl/turns_mean"] = total["turns"] / n
+        out["rl/tool_calls_mean"] = (total["turns"] - total["num_rollouts"]) / n
+        out["rl/episode_tokens_mean"] = total["episode_tokens"] / n
+        out["rl/observation_tokens_mean"] = total["observation_tokens"] / n
+        out["rl/episodes_truncated"] = total["episodes_truncated"] / n
     return out

@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.tokenizer import Tokenizer
 from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
+from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner, decode_completion
 from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import shape_overlong
 from torchtitan_rl.rl.rollouts import (
@@ -53,10 +54,13 @@ class StepSampler:
         generator: RolloutEngine,
         sampling: SamplingParams,
         stream: PromptStream,
+        env_class: type | None = None,
     ):
         self.rl, self.seed = job_config.rl, job_config.generation.seed
+        self.max_len = job_config.training.seq_len + 1  # an episode's tokens: a sample's inputs and one more
         self.task, self.prompts, self.tokenizer = task, prompts, tokenizer
         self.generator, self.sampling, self.stream = generator, sampling, stream
+        self.env_class = env_class
 
     def sample(
         self,
@@ -106,9 +110,13 @@ class StepSampler:
         rl = self.rl
         problem_ids = self.stream.next_step()
         offset = round_offset(round_index, rl.prompts_per_step)
+        engine = self.generator
+        if self.env_class is not None:
+            problems = {offset + slot: self.task.train_problems[i] for slot, i in enumerate(problem_ids)}
+            engine = self.episode_runner(problems)
         with timed(times, "generate"):
             local = generate_share(
-                self.generator,
+                engine,
                 [self.prompts[i] for i in problem_ids],
                 slots,
                 rl.group_size,
@@ -125,8 +133,17 @@ class StepSampler:
             groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
         return groups, sum(len(r.completion_tokens) for r in local)
 
+    def episode_runner(self, problems: dict) -> EpisodeRunner:
+        """Multi-turn episodes of ``problems`` (by prompt index) in ``rl.env``."""
+        return EpisodeRunner(
+            self.generator, self.env_class, self.rl.env, problems, self.tokenizer, self.rl.max_turns, self.max_len
+        )
+
     def reward(self, problem_id: int, rollout: Rollout) -> Reward:
-        """The verifier's reward of ``rollout``, shaped by the overlong penalty when it is on."""
+        """The verifier's reward of ``rollout`` (an episode's: its environment's), shaped by the
+        overlong penalty when it is on."""
+        if isinstance(rollout, EpisodeRollout):
+            return Reward(rollout.reward, rollout.correct, {})
         reward = self.task.reward(self.task.train_problems[problem_id], *completion_text(self.tokenizer, rollout))
         rl = self.rl
         if not rl.overlong_buffer:
@@ -136,22 +153,10 @@ class StepSampler:
 
 
 def completion_text(tokenizer: Tokenizer, rollout: Rollout) -> tuple[str, bool]:
-    """The completion's text without its stop token, and whether it stopped.
-
-    The model's vocabulary may be larger than the tokenizer's (padding rows it can still
-    sample): such an id reads as U+FFFD, so an answer containing one is wrong, never
-    silently shortened into a right one.
-    """
+    """The completion's text without its stop token, and whether it stopped."""
     stopped = rollout.stop_reason == "stop"
     tokens = rollout.completion_tokens[:-1] if stopped else rollout.completion_tokens
-    pieces, run = [], []
-    for token in tokens:
-        if token < tokenizer.vocab_size:
-            run.append(token)
-            continue
-        pieces += [tokenizer.decode(run), "\ufffd"]
-        run = []
-    return "".join(pieces) + tokenizer.decode(run), stopped
+    return decode_completion(tokenizer, tokens), stopped
 
 
 @contextlib.contextmanager

@@ -40,12 +40,27 @@ def evaluate(expression: str) -> int:
     return value(tree.body)
 
 
+_QUESTION = re.compile(r"What is (.+)\? Use the calculator\.")
+
+
 class CalculatorEnv:
     def __init__(self, problem: Problem, tool_reward: float = 0.0):
         self.problem, self.tool_reward = problem, tool_reward
 
     def reset(self) -> list[dict]:
         return [dict(m) for m in self.problem.messages]
+
+    @staticmethod
+    def demonstration(problem: Problem) -> list[dict]:
+        """The turns that solve a ``calculator_question`` with the tool (for an SFT warm-up)."""
+        match = _QUESTION.fullmatch(problem.messages[-1]["content"])
+        if match is None:
+            raise ValueError(f"{problem.source}: not a calculator question: {problem.messages[-1]['content']!r}")
+        return [
+            {"role": "assistant", "content": f"<tool>{match.group(1)}</tool>"},
+            {"role": "tool", "content": f"<result>{evaluate(match.group(1))}</result>"},
+            {"role": "assistant", "content": problem.answer},
+        ]
 
     def step(self, completion: str) -> EnvStep:
         call = TOOL_CALL.search(completion)

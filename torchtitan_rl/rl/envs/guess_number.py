@@ -6,6 +6,7 @@ first turn, ``penalty`` less for every further turn, at least 0; a turn that is 
 ends the episode with 0.
 """
 
+from torchtitan_rl.data.questions import GUESS_LARGEST as LARGEST
 from torchtitan_rl.rl.envs.base import EnvStep
 from torchtitan_rl.rl.tasks.task import Problem
 
@@ -18,6 +19,18 @@ class GuessNumberEnv:
 
     def reset(self) -> list[dict]:
         return [dict(m) for m in self.problem.messages]
+
+    @staticmethod
+    def demonstration(problem: Problem) -> list[dict]:
+        """Bisection turns that find the secret (for an SFT warm-up)."""
+        secret, low, high, turns = int(problem.answer), 1, LARGEST, []
+        while True:
+            guess = (low + high) // 2
+            turns.append({"role": "assistant", "content": str(guess)})
+            if guess == secret:
+                return turns
+            turns.append({"role": "user", "content": "higher" if guess < secret else "lower"})
+            low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
 
     def step(self, completion: str) -> EnvStep:
         self.num_turns += 1

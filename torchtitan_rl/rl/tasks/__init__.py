@@ -7,7 +7,7 @@
 from collections.abc import Callable
 from functools import partial
 
-from torchtitan_rl.data.questions import QUESTION_GENERATORS
+from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS, QUESTION_GENERATORS
 from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools
 from torchtitan_rl.rl.tasks.jsonl import jsonl_problem_pools
 from torchtitan_rl.rl.tasks.rewards import ANSWER_MATCHES, Reward, RewardSpec
@@ -17,7 +17,10 @@ ProblemPoolBuilder = Callable[..., tuple[list[Problem], list[Problem], list[Prob
 """Called with keywords path, num_train, num_eval, seed, answer_match; rejects the ones it does not use."""
 
 TASKS: dict[str, ProblemPoolBuilder] = {
-    **{name: partial(builtin_problem_pools, name) for name in QUESTION_GENERATORS},
+    **{
+        name: partial(builtin_problem_pools, name, generate)
+        for name, generate in {**QUESTION_GENERATORS, **ENV_QUESTION_GENERATORS}.items()
+    },
     "jsonl": jsonl_problem_pools,
 }
 

@@ -7,7 +7,7 @@ the train pool. Both are fixed by the seed alone, whatever the layout or the num
 
 import random
 
-from torchtitan_rl.data.questions import QUESTION_GENERATORS, QuestionGenerator
+from torchtitan_rl.data.questions import QuestionGenerator
 from torchtitan_rl.rl.tasks.task import Problem
 
 # How many draws per wanted problem before concluding the task has too few distinct questions.
@@ -36,10 +36,18 @@ def _distinct_problems(
 
 
 def builtin_problem_pools(
-    task_name: str, *, path: str, num_train: int, num_eval: int, seed: int, answer_match: str
+    task_name: str,
+    generate: QuestionGenerator,
+    *,
+    path: str,
+    num_train: int,
+    num_eval: int,
+    seed: int,
+    answer_match: str,
 ) -> tuple[list[Problem], list[Problem], list[Problem]]:
-    """``(train, eval, spare)`` problems of the built-in task ``task_name`` (no spare ones: a
-    generator can always draw more); rejects options it does not use."""
+    """``(train, eval, spare)`` problems of the built-in task ``task_name``, whose questions
+    ``generate`` draws (no spare ones: a generator can always draw more); rejects options it
+    does not use."""
     if path:
         raise ValueError(
             f"rl.task_path: task {task_name!r} is built in and reads no file, but rl.task_path={path!r}; leave it empty"
@@ -50,7 +58,6 @@ def builtin_problem_pools(
         )
     if num_train < 1:
         raise ValueError(f"rl.num_train_prompts: task {task_name!r} needs at least 1, got {num_train}")
-    generate = QUESTION_GENERATORS[task_name]
     train = _distinct_problems(task_name, "train", generate, random.Random(seed), num_train, excluded=set())
     # A string seed gives a stream unrelated to every integer seed's, so eval never replays train draws.
     eval_rng = random.Random(f"eval-{seed}")
