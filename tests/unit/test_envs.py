@@ -116,3 +116,28 @@ def test_observation_tokens_complete_the_conversation_exactly_as_an_sft_row():
     assert target_mask[:-1] == sampled
     with pytest.raises(ValueError, match="invalid observation: an observation cannot contain an assistant turn"):
         tokenize_observation([{"role": "assistant", "content": "x"}], tokenizer)
+
+
+def test_the_warm_up_mixes_environment_demonstrations_and_direct_answers():
+    import dataclasses
+
+    from torchtitan_rl.config import JobConfig
+    from torchtitan_rl.recipes.grpo import GRPORecipe
+    from torchtitan_rl.rl.tasks import build_task
+
+    recipe = GRPORecipe.__new__(GRPORecipe)
+    cfg = JobConfig()
+    cfg.rl = dataclasses.replace(cfg.rl, task="calculator", env="calculator", sft_warmup_demonstrations=0.25)
+    recipe.job_config, recipe.env_class = cfg, CalculatorEnv
+    problems = build_task("calculator", num_train=8, num_eval=0, seed=0).train_problems
+    rows = recipe._answered(problems)
+    tokenizer = build_tokenizer("")
+    demonstrations = [r for r in rows if any(m["role"] == "tool" for m in r["messages"])]
+    assert len(rows) == 8 and len(demonstrations) == 2
+    for row in demonstrations:
+        call, result, answer = row["messages"][1:]
+        assert evaluate(call["content"][len("<tool>") : -len("</tool>")]) == int(answer["content"])
+        assert result["content"] == f"<result>{answer['content']}</result>"
+    for row in rows:
+        assert row["messages"][-1]["content"] in {p.answer for p in problems}
+        tokenize_row(row, tokenizer)  # every row is a valid SFT row

@@ -483,6 +483,11 @@ class RL:
     sft_warmup_lr: float = bounded(3e-3, gt=0)
     """Learning rate of the SFT warm-up (its own AdamW, discarded before RL)."""
 
+    sft_warmup_demonstrations: float = bounded(1.0, ge=0, le=1)
+    """With rl.env: the fraction of warm-up rows that are whole episodes solved the environment's
+    way (its demonstration(problem), e.g. calling the calculator); the others answer at once. Below
+    1 the warm-up teaches the format and leaves RL to find when the environment's way pays."""
+
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: after the step's rl.prompts_per_step prompts, draw further rounds
     of as many prompts from the stream until the step has rl.prompts_per_step groups with

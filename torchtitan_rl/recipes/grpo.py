@@ -242,8 +242,12 @@ class GRPORecipe(Recipe):
         demonstrate = getattr(self.env_class, "demonstration", None)
         if demonstrate is None:
             return answered_rows(problems)
-        env = self.job_config.rl.env
-        return [{"messages": first_messages(self.env_class, env, p) + demonstrate(p)} for p in problems]
+        rl = self.job_config.rl
+        num_demonstrations = round(rl.sft_warmup_demonstrations * len(problems))  # the loader shuffles
+        rows = answered_rows(problems[num_demonstrations:])
+        for problem in problems[:num_demonstrations]:
+            rows.append({"messages": first_messages(self.env_class, rl.env, problem) + demonstrate(problem)})
+        return rows
 
     # ------------------------------------------------------------------ the RL step
 
