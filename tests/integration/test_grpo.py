@@ -137,6 +137,8 @@ def layout_runs(tmp_path_factory) -> dict:
     options = [*LAYOUT_OPTIONS.split(), "--checkpoint.initial_load_path", str(start)]
     for name, num_ranks, extra in ASYNC_RUNS:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
+    for name, num_ranks, extra in MULTI_TURN_RUNS:
+        launch(out / name, num_ranks, *options, *MULTI_TURN, *extra)
     # The staleness-2 run resumed after step 2 at staleness 2, and at staleness 0 (its rollouts in
     # flight then lag too much).
     for name, staleness_options in (("async_resumed", ASYNC_K2), ("async_resumed_k0", ROLLOUT_RANK)):
@@ -158,6 +160,7 @@ def layout_runs(tmp_path_factory) -> dict:
             *((name, f"{name}") for name, _, _ in ASYNC_RUNS),
             ("async_resumed", "async_resumed"),
             ("async_resumed_k0", "async_resumed_k0"),
+            *((name, name) for name, _, _ in MULTI_TURN_RUNS),
         )
     } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
 
@@ -172,6 +175,40 @@ ASYNC_RUNS = (
     ("async_k0_dp2", 3, ROLLOUT_RANK),
     ("async_k2_dp2", 3, (*ASYNC_K2, *ASYNC_CHECKPOINTS)),
     ("async_k2_tp2", 3, (*ASYNC_K2, "--parallelism.tensor_parallel_degree", "2")),
+)
+
+
+# Multi-turn episodes from the same start: guess_number answers every number the arithmetic
+# model says with "higher" / "lower", so episodes run several turns with observations inside.
+MULTI_TURN = (
+    "--rl.task",
+    "guess_number",
+    "--rl.env",
+    "guess_number",
+    "--rl.max_turns",
+    "3",
+    "--training.seq_len",
+    "160",
+    "--rl.prompts_per_step",
+    "4",
+    "--rl.group_size",
+    "8",
+    "--training.steps",
+    "2",
+)
+MULTI_TURN_RUNS = (
+    ("turns_one", 1, ()),
+    ("turns_dp2", 2, ()),
+    ("turns_cp2", 2, ("--parallelism.context_parallel_degree", "2")),
+    ("turns_dp2_tp2", 4, ("--parallelism.tensor_parallel_degree", "2")),
+)
+MULTI_TURN_TAGS = (
+    *LAYOUT_TAGS,
+    "rl/turns_mean",
+    "rl/tool_calls_mean",
+    "rl/episode_tokens_mean",
+    "rl/observation_tokens_mean",
+    "rl/episodes_truncated",
 )
 
 
@@ -272,6 +309,19 @@ def read_in_flight(checkpoint: Path) -> list:
     state = {"rollouts": {"in_flight": b""}}
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     return pickle.loads(state["rollouts"]["in_flight"])
+
+
+@pytest.mark.parametrize("layout", ["turns_dp2", "turns_cp2", "turns_dp2_tp2"])
+def test_multi_turn_steps_are_the_same_on_every_layout(layout_runs, layout):
+    baseline, test = layout_runs["turns_one"], layout_runs[layout]
+    for tag in MULTI_TURN_TAGS:
+        assert sorted(test[tag]) == [1, 2], tag
+        for step, value in baseline[tag].items():
+            assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    # Premises: episodes ran several turns with observations (loss holes), and the groups had signal.
+    assert min(baseline["rl/turns_mean"].values()) > 1.5
+    assert min(baseline["rl/observation_tokens_mean"].values()) > 10
+    assert max(baseline["rl/groups_mixed"].values()) > 0 and min(baseline["grad_norm"].values()) > 0
 
 
 def test_balancing_lowers_the_logged_dp_cost_imbalance(layout_runs):

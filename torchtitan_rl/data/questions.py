@@ -60,7 +60,7 @@ def guess_number_question(rng: random.Random) -> tuple[str, str]:
     """A secret number in 1..16 behind a game number (drawn apart from the secret, so it tells
     nothing; it only makes the prompts of a pool distinct)."""
     game, secret = rng.randint(0, 9999), rng.randint(1, GUESS_LARGEST)
-    question = f"Game {game}: I picked a number from 1 to {GUESS_LARGEST}. Guess it; I will say higher or lower."
+    question = f"Game {game}: guess my number from 1 to {GUESS_LARGEST}."
     return question, str(secret)
 
 
