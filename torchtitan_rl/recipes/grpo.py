@@ -463,17 +463,8 @@ class GRPORecipe(Recipe):
         # Step -step: evaluation draws its own random numbers, never a training rollout's.
         engine = self.generator
         if self.env_class is not None:
-            cfg = self.job_config
             problems = {i: self.task.eval_problems[i] for i in indices}
-            engine = EpisodeRunner(
-                self.generator,
-                self.env_class,
-                cfg.rl.env,
-                problems,
-                self.tokenizer,
-                cfg.rl.max_turns,
-                cfg.training.seq_len + 1,
-            )
+            engine = EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
         greedy = engine.generate(prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step)
         sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1

@@ -63,6 +63,13 @@ class EpisodeRunner:
         self.problems, self.tokenizer = problems, tokenizer
         self.max_turns, self.max_len = max_turns, max_len
 
+    @classmethod
+    def for_run(cls, job_config, generator: TorchGenerator, env_class: type, problems: dict[int, Problem], tokenizer):
+        """A runner with the run's ``rl.env``, ``rl.max_turns`` and length budget (``training.seq_len``
+        + 1 tokens: a sample's inputs and one more)."""
+        rl = job_config.rl
+        return cls(generator, env_class, rl.env, problems, tokenizer, rl.max_turns, job_config.training.seq_len + 1)
+
     def generate(
         self,
         prompts: list[list[int]],

@@ -187,9 +187,9 @@ class WeightSender:
             self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
         for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             # One bucket's full tensors at a time: every rank joins each gather, rank 0 keeps them.
-            parts = [_full(params[names[i]]).to(self.dtype).reshape(-1) for i in bucket]
+            parts = [_full(params[names[i]]) for i in bucket]
             if self.is_sender:
-                flat = torch.cat(parts).to(self.device)
+                flat = torch.cat([p.to(self.dtype).reshape(-1) for p in parts]).to(self.device)
                 self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
         if not self.is_sender:
             return 0

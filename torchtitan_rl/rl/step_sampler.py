@@ -57,7 +57,7 @@ class StepSampler:
         env_class: type | None = None,
     ):
         self.rl, self.seed = job_config.rl, job_config.generation.seed
-        self.max_len = job_config.training.seq_len + 1  # an episode's tokens: a sample's inputs and one more
+        self.job_config = job_config
         self.task, self.prompts, self.tokenizer = task, prompts, tokenizer
         self.generator, self.sampling, self.stream = generator, sampling, stream
         self.env_class = env_class
@@ -135,9 +135,7 @@ class StepSampler:
 
     def episode_runner(self, problems: dict) -> EpisodeRunner:
         """Multi-turn episodes of ``problems`` (by prompt index) in ``rl.env``."""
-        return EpisodeRunner(
-            self.generator, self.env_class, self.rl.env, problems, self.tokenizer, self.rl.max_turns, self.max_len
-        )
+        return EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
 
     def reward(self, problem_id: int, rollout: Rollout) -> Reward:
         """The verifier's reward of ``rollout`` (an episode's: its environment's), shaped by the
