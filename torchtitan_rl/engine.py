@@ -42,6 +42,7 @@ from torchtitan_rl.losses.reduction import (
 )
 from torchtitan_rl.losses.router import RouterLossConfig, balance_loss, z_loss
 from torchtitan_rl.models.attention import AttentionContext, build_attention_context, cp_attention_context
+from torchtitan_rl.models.lora import effective_weight
 from torchtitan_rl.models.vlm.model import VisionInputs
 
 
@@ -340,7 +341,7 @@ class Engine:
                 # chunk by chunk; backward through the model starts from there.
                 value, logprobs, entropy = token_loss(
                     hidden,
-                    self.model.output.weight,
+                    effective_weight(self.model.output),
                     mb.labels,
                     self.options.logits_chunk_size,
                     loss_of_chunk,
@@ -383,7 +384,11 @@ class Engine:
         on every rank and for any layout.
         """
         logprobs, _ = token_logprobs(
-            hidden, self.model.output.weight, mb.labels, self.options.logits_chunk_size, **self._logprob_options()
+            hidden,
+            effective_weight(self.model.output),
+            mb.labels,
+            self.options.logits_chunk_size,
+            **self._logprob_options(),
         )
         mask = mb.loss_mask.to(torch.float32)
         per_seq = torch.zeros(2, mb.num_seqs, device=self.device)
@@ -494,7 +499,7 @@ class Engine:
                 hidden, _ = self._hidden(mb, attention)
                 mb_logprobs, mb_entropy = token_logprobs(
                     hidden,
-                    self.model.output.weight,
+                    effective_weight(self.model.output),
                     mb.labels,
                     self.options.logits_chunk_size,
                     with_entropy=with_entropy,

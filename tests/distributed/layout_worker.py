@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 import layout_cases as lc
 import torchtitan_rl.engine as engine_module
 from generator_cases import run_generator_checks
+from lora_cases import run_lora_checks
 from moe_cases import run_moe_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
@@ -402,6 +403,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
+        run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only

@@ -372,6 +372,48 @@ class MoE:
 
 
 @dataclass
+class LoRA:
+    """Low-rank adapters (LoRA) beside frozen base weights, for SFT and GRPO: only the adapters
+    (and, with lora.train_embeddings, the input embedding) get gradients and optimizer state.
+    Exact under every parallel layout like full fine-tuning (docs/design.md, "LoRA")."""
+
+    enable: bool = False
+    """Train adapters instead of the full model."""
+
+    rank: int = bounded(8, ge=1)
+    """Inner dimension r of each adapter (A is [r, in], B is [out, r])."""
+
+    alpha: float = bounded(16.0, gt=0)
+    """The adapter's output is scaled by alpha / rank (PEFT's lora_alpha)."""
+
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    """Dropout on each adapter's input (PEFT's lora_dropout). Its random masks depend on how
+    tokens are split over micro-batches and ranks, so with dropout the gradient is no longer
+    independent of the layout; not supported with tensor parallel."""
+
+    target_modules: list[str] = field(default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"])
+    """Linear layers to adapt: the attention projections wq, wk, wv, wo, the dense MLP's w1 (gate),
+    w2 (down), w3 (up) in every layer, output (the head; not with tied embeddings), and for vlm
+    projector (the projector's merger and two linears). MoE experts are not adapted (their
+    layers' attention is)."""
+
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initialization of A: kaiming (uniform, bound 1/sqrt(in), PEFT's default) or gaussian
+    (std 1/rank). B starts at zero, so training starts from the base model."""
+
+    train_embeddings: bool = False
+    """Also train the input embedding (whole, as PEFT's modules_to_save)."""
+
+    base_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Storage dtype of the adapted layers' frozen base weights; bfloat16 halves their memory
+    and is cast to the compute dtype in the forward. Adapters keep float32."""
+
+    export_merged: bool = False
+    """With checkpoint.last_save_in_hf: also write the base with the adapters merged, as a plain
+    Hugging Face model (``merged/`` inside the export)."""
+
+
+@dataclass
 class RL:
     """GRPO (job.recipe = "grpo"): prompts, rewards, advantages, updates, evaluation."""
 
@@ -631,6 +673,11 @@ class Checkpoint:
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face directory (config.json + safetensors)."""
 
+    initial_load_adapter_path: str = ""
+    """With lora.enable: a PEFT adapter directory (adapter_config.json +
+    adapter_model.safetensors) whose adapters training starts from, on top of the base weights
+    of initial_load_path. Its rank, alpha and target modules must be this run's."""
+
     last_save_model_only: bool = False
     """At the last step save only the model weights, in checkpoint.export_dtype."""
 
@@ -684,6 +731,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     moe: MoE = field(default_factory=MoE)
+    lora: LoRA = field(default_factory=LoRA)
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)
     metrics: Metrics = field(default_factory=Metrics)

@@ -10,11 +10,11 @@ from torch import nn
 
 from torchtitan_rl.models.qwen3 import state_dict_adapter as qwen3_adapter
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
-from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.models.qwen3.model import LORA_TARGETS, Qwen3Model
 from torchtitan_rl.models.qwen3.parallelize import parallelize_qwen3
 from torchtitan_rl.models.vlm import state_dict_adapter as vlm_adapter
 from torchtitan_rl.models.vlm.args import VLMModelArgs, vlm_flavors
-from torchtitan_rl.models.vlm.model import VLMModel
+from torchtitan_rl.models.vlm.model import VLM_LORA_TARGETS, VLMModel
 from torchtitan_rl.models.vlm.parallelize import parallelize_vlm
 
 
@@ -30,6 +30,8 @@ class ModelSpec:
     to_hf: Callable[[dict], dict]
     from_hf: Callable[[dict, Any], dict]
     hf_model_types: tuple[str, ...]  # the ``model_type``s of the family's HF config.json
+    # ``lora.target_modules`` names -> regular expression of the full module names each adapts.
+    lora_targets: dict[str, str]
     # (our key, size of dim 0) -> the HF keys of its dim-0 slices when HF stores a stacked
     # parameter (MoE experts) as one tensor per slice, else None.
     stacked_hf_keys: Callable[[str, int], list[str] | None] = lambda key, size: None
@@ -46,6 +48,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         qwen3_adapter.to_hf,
         qwen3_adapter.from_hf,
         ("qwen3", "qwen3_moe"),
+        LORA_TARGETS,
         stacked_hf_keys=lambda key, size: (
             qwen3_adapter.expert_hf_keys(key, size) if qwen3_adapter.is_expert_key(key) else None
         ),
@@ -59,6 +62,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         vlm_adapter.to_hf,
         vlm_adapter.from_hf,
         ("mistral3",),
+        VLM_LORA_TARGETS,
         takes_images=True,
     ),
 }

@@ -8,6 +8,7 @@ or prepare a fresh run), ``train()`` and ``close()``; ``train.py`` drives it.
 """
 
 import dataclasses
+import functools
 import logging
 import os
 from abc import ABC, abstractmethod
@@ -31,6 +32,7 @@ from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
+from torchtitan_rl.models.lora import LoRASettings, add_adapters, init_adapter_, is_adapter_key
 from torchtitan_rl.models.qwen3.args import check_flavor, with_router_aux_loss
 from torchtitan_rl.models.qwen3.model import param_seed
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
@@ -127,6 +129,7 @@ def build_model(
     ac_every: int = 1,
     compile_backend=None,
     reshard_after_forward: str = "default",
+    lora: LoRASettings | None = None,
 ) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout.
 
@@ -136,10 +139,17 @@ def build_model(
     (``distributed.activation_checkpoint``). ``compile_backend``: torch.compile the blocks
     with this backend, a name or a callable (``distributed.compile``); None leaves them eager.
     ``reshard_after_forward``: FSDP's policy for the blocks (``parallelism.fsdp_reshard_after_forward``).
+    ``lora``: add adapters and freeze the rest (``models.lora.add_adapters``); the adapters are
+    initialized by ``lora.init`` with the same per-name seeds as every parameter.
     """
     spec = spec_for_args(args)
     with torch.device("meta"):
         model = spec.model_cls(args)
+    init_param = model.init_param_
+    if lora is not None:
+        # Before any wrapper or parallelism: they see the adapted layers as the model's own.
+        add_adapters(model, lora, spec.lora_targets)
+        init_param = functools.partial(_init_adapted_param, model.init_param_, lora.init)
     if freeze_vision:
         # Before FSDP, which fixes each sharded parameter's requires_grad when it wraps it.
         model.vision_tower.requires_grad_(False)
@@ -149,10 +159,34 @@ def build_model(
     apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
     spec.parallelize(model, parallel_dims, param_dtype, reduce_dtype, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
-    init_weights_layout_invariant(model, seed, model.init_param_, param_seed)
+    init_weights_layout_invariant(model, seed, init_param, param_seed)
     return model
 
 
+def _init_adapted_param(init_param_, lora_init: str, fqn: str, tensor: torch.Tensor, generator) -> None:
+    if is_adapter_key(fqn):
+        init_adapter_(fqn, tensor, generator, lora_init)
+    else:
+        init_param_(fqn, tensor, generator)
+
+
+def lora_settings(job_config: JobConfig) -> LoRASettings | None:
+    """The adapters ``[lora]`` asks for; None when LoRA is off."""
+    lora = job_config.lora
+    if not lora.enable:
+        return None
+    return LoRASettings(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+        init=lora.init,
+        train_embeddings=lora.train_embeddings,
+        base_dtype=LORA_BASE_DTYPES[lora.base_dtype],
+    )
+
+
+LORA_BASE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Gradients are reduced in float32 whatever the compute dtype: a sum over many ranks in bf16
 # would lose the exactness the loss weights buy.
 REDUCE_DTYPES = {"float32": torch.float32}
@@ -191,6 +225,7 @@ def build_engine(
         ac_every=ac.selective_every,
         compile_backend=compile_config.backend if compile_config.enable else None,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+        lora=lora_settings(job_config),
     )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None

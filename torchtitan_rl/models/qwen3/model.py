@@ -23,6 +23,12 @@ from torchtitan_rl.models.moe import MoE, RouterStats
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 INIT_STD = 0.02
+# The layers LoRA can adapt (``lora.target_modules`` names -> full module names they match).
+LORA_TARGETS = {
+    **{name: rf"layers\.\d+\.attention\.{name}" for name in ("wq", "wk", "wv", "wo")},
+    **{name: rf"layers\.\d+\.feed_forward\.{name}" for name in ("w1", "w2", "w3")},
+    "output": "output",
+}
 
 
 def param_seed(seed: int, fqn: str) -> int:

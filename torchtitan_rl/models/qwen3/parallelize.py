@@ -7,7 +7,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -15,6 +14,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_rl.distributed.fsdp import apply_fsdp
+from torchtitan_rl.distributed.lora_parallel import colwise, rowwise
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -78,7 +78,13 @@ def parallelize_qwen3(
     tp_mesh = parallel_dims.mesh("tp")
     if tp_mesh is not None:
         check_tp_divisibility(model.args, tp_mesh.size())
+        # Some TP styles (SequenceParallel) re-create parameters as trainable: keep frozen ones
+        # frozen (LoRA's base, a frozen vision tower), before FSDP fixes requires_grad per shard.
+        frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
         apply_tp(model, tp_mesh)
+        for name, param in model.named_parameters():
+            if name in frozen:
+                param.requires_grad_(False)
     expert_mesh = parallel_dims.expert_mesh()
     blocks = list(model.layers.values())
     experts = [block.moe.experts for block in blocks if hasattr(block, "moe")]
@@ -130,7 +136,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=token_shards),
             "norm": SequenceParallel(sequence_dim=0, use_local_output=True),
-            "output": ColwiseParallel(),
+            "output": colwise(model.output),
         },
     )
     if model.args.tie_embeddings:
@@ -141,7 +147,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     # token shard: Shard(0) over tp gives rank r the r-th of tp equal chunks.
     model.set_token_shard(TokenShard(rank=tp_mesh.get_local_rank(), degree=tp_mesh.size(), mesh=tp_mesh))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _moe_plan() if hasattr(block, "moe") else _dense_mlp_plan())
+        parallelize_module(block, tp_mesh, _moe_plan() if hasattr(block, "moe") else _dense_mlp_plan(block))
         parallelize_module(
             block,
             tp_mesh,
@@ -152,27 +158,28 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                     desired_input_layouts=(Replicate(), None, None),
                     use_local_output=True,
                 ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
+                "attention.wq": colwise(block.attention.wq),
+                "attention.wk": colwise(block.attention.wk),
+                "attention.wv": colwise(block.attention.wv),
                 # [T, local heads, head_dim]: the heads dim is what TP shards here.
                 "attention.q_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
                 "attention.k_norm": SequenceParallel(sequence_dim=1, use_local_output=True),
-                "attention.wo": RowwiseParallel(output_layouts=token_shards),
+                "attention.wo": rowwise(block.attention.wo, output_layouts=token_shards),
                 "ffn_norm": SequenceParallel(sequence_dim=0, use_local_output=True),
             },
         )
 
 
-def _dense_mlp_plan() -> dict:
+def _dense_mlp_plan(block: nn.Module) -> dict:
     token_shards = Shard(0)
+    mlp = block.feed_forward
     return {
         "feed_forward": PrepareModuleInput(
             input_layouts=(token_shards,), desired_input_layouts=(Replicate(),), use_local_output=True
         ),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=token_shards),
-        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w1": colwise(mlp.w1),
+        "feed_forward.w2": rowwise(mlp.w2, output_layouts=token_shards),
+        "feed_forward.w3": colwise(mlp.w3),
     }
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torchtitan_rl.models.attention import AttentionState
 from torchtitan_rl.models.qwen3.model import (
     INIT_STD,
+    LORA_TARGETS,
     Qwen3Model,
     RMSNorm,
     check_packed_inputs,
@@ -50,6 +51,10 @@ def merge_vision_features(h: torch.Tensor, features: torch.Tensor, vision_index:
     """
     gathered = features.index_select(0, vision_index.clamp(min=0)).to(h.dtype)
     return torch.where(vision_index[:, None] >= 0, gathered, h)
+
+
+# The language model's layers, and the projector's linear layers as one target.
+VLM_LORA_TARGETS = {**LORA_TARGETS, "projector": r"projector\.(merger|linear_1|linear_2)"}
 
 
 class Projector(nn.Module):
