@@ -52,6 +52,7 @@ def validate_job_config(cfg) -> None:
         raise ValueError(f"parallelism.data_parallel_shard_degree: must be -1 or >= 1, got {shard}")
     _check_profiling(cfg)
     _check_checkpoint(cfg)
+    _check_lora(cfg)
     _check_compile(cfg)
     _check_recipe(cfg)
     # Imported here: torch and the model package are heavy and not needed to parse a command line.
@@ -279,6 +280,37 @@ def _check_compile(cfg) -> None:
     if not cfg.compile.enable and cfg.compile.backend != type(cfg.compile)().backend:
         # Fail closed, like checkpoint.*: a backend for a run that compiles nothing is a forgotten enable.
         raise ValueError("compile.backend: only used with compile.enable = true")
+
+
+def _check_lora(cfg) -> None:
+    lora = cfg.lora
+    if not lora.enable:
+        unused = [name for name in _non_default(lora) if name != "enable"]
+        if unused:
+            # Fail closed: adapter settings on a run that trains the full model are a forgotten lora.enable.
+            raise ValueError(f"lora.{unused[0]}: only used with lora.enable = true")
+        if cfg.checkpoint.initial_load_adapter_path:
+            raise ValueError("checkpoint.initial_load_adapter_path: loading a PEFT adapter needs lora.enable = true")
+        return
+    if not lora.target_modules:
+        raise ValueError("lora.target_modules: name at least one layer to adapt (e.g. ['wq', 'wv'])")
+    if lora.dropout > 0 and cfg.parallelism.tensor_parallel_degree > 1:
+        raise ValueError(
+            "lora.dropout: not supported with parallelism.tensor_parallel_degree > 1 (the tensor-parallel ranks "
+            "would draw different masks for the same replicated input); set it to 0"
+        )
+    if lora.dropout > 0 and "output" in lora.target_modules:
+        raise ValueError(
+            "lora.dropout: the output head's adapter is applied as a merged weight by the chunked loss, which "
+            "cannot drop its input; set lora.dropout = 0 or remove 'output' from lora.target_modules"
+        )
+    if cfg.checkpoint.initial_load_adapter_path and not cfg.checkpoint.initial_load_path:
+        raise ValueError(
+            "checkpoint.initial_load_adapter_path: set checkpoint.initial_load_path to the base model the adapter "
+            "was trained on"
+        )
+    if lora.export_merged and not cfg.checkpoint.last_save_in_hf:
+        raise ValueError("lora.export_merged: only used with checkpoint.last_save_in_hf = true")
 
 
 def _check_checkpoint(cfg) -> None:
