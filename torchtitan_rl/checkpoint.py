@@ -11,6 +11,13 @@ last, after gathering every rank's result). The rename is atomic, so a process k
 during a save leaves only a ``.partial`` folder, which is never loaded and is removed by
 the next save. Old checkpoints are deleted (``keep_latest_k``) only after a newer one is
 complete.
+
+LoRA (``models.lora``): a training checkpoint holds only what trains (the adapters, and the
+input embedding with ``lora.train_embeddings``) and its optimizer state; ``checkpoint.json``
+says so and records the adapters' settings. The frozen base is not saved: a resumed run loads
+it again from ``checkpoint.initial_load_path`` (or initializes it from the seed, as the first
+run did), then the checkpoint on top. The last save in Hugging Face format is a PEFT adapter
+directory (``peft_checkpoint``), with the merged model in ``merged/`` on request.
 """
 
 import dataclasses
@@ -26,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -36,8 +44,10 @@ from torch.distributed.checkpoint.utils import CheckpointException
 
 from torchtitan_rl.config.job_config import Checkpoint
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchtitan_rl.models.lora import LoRASettings, is_adapter_key
 from torchtitan_rl.models.qwen3.args import architecture_differences
 from torchtitan_rl.models.registry import spec_for_args
+from torchtitan_rl.peft_checkpoint import check_peft_family, load_peft_adapter, save_merged_hf, save_peft_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +72,69 @@ class TrainState(Stateful):
 
 
 class _ModelState(Stateful):
-    """The model's parameters as DTensors/tensors with global shapes (any layout loads them)."""
+    """The model's parameters as DTensors/tensors with global shapes (any layout loads them);
+    with ``select``, only the parameters whose names it accepts (the rest are left alone)."""
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
-        self.model, self.dtype = model, dtype
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, select=None):
+        self.model, self.dtype, self.select = model, dtype, select
 
     def state_dict(self) -> dict[str, Any]:
         state = get_model_state_dict(self.model)
+        if self.select is not None:
+            state = {k: v for k, v in state.items() if self.select(k)}
         if self.dtype is not None:
             state = {k: v.to(self.dtype) for k, v in state.items()}
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        # DCP loads every key state_dict() asked for or fails, so non-strict drops nothing here.
+        set_model_state_dict(self.model, state_dict, options=StateDictOptions(strict=self.select is None))
+
+
+def trainable_names(model: torch.nn.Module) -> set[str]:
+    """Names of the parameters that train, a tied one under each of its names."""
+    return {name for name, p in model.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
+def lora_description(settings: LoRASettings) -> dict[str, Any]:
+    return {
+        "rank": settings.rank,
+        "alpha": settings.alpha,
+        "dropout": settings.dropout,
+        "target_modules": list(settings.target_modules),
+        "init": settings.init,
+        "train_embeddings": settings.train_embeddings,
+        "base_dtype": str(settings.base_dtype).removeprefix("torch."),
+    }
+
+
+def check_lora(description: dict[str, Any], settings: LoRASettings | None, path: str) -> None:
+    """The adapters of the checkpoint at ``path`` must be those this run builds (or both have
+    none): the rank, alpha, targets and trained embedding decide which tensors exist."""
+    file = os.path.join(path, DESCRIPTION_FILE)
+    saved = description.get("lora")
+    if saved is None and settings is not None:
+        raise ValueError(
+            f"checkpoint {path} is a training checkpoint without LoRA adapters (according to {file}), but this "
+            "run has lora.enable = true; start the LoRA run in another job.dump_folder, with "
+            "checkpoint.initial_load_path naming this checkpoint as its base"
+        )
+    if saved is not None and settings is None:
+        raise ValueError(
+            f"checkpoint {path} holds a model with LoRA adapters (according to {file}); this run has "
+            "lora.enable = false: enable it with the checkpoint's lora settings"
+        )
+    if saved is None:
+        return
+    ours = lora_description(settings)
+    diffs = [
+        f"lora.{key}={saved.get(key)!r} (this run: {ours[key]!r})"
+        for key in ("rank", "alpha", "target_modules", "train_embeddings")
+        if (sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key))
+        != (sorted(ours[key]) if key == "target_modules" else ours[key])
+    ]
+    if diffs:
+        raise ValueError(f"checkpoint {path} holds other LoRA adapters: {', '.join(diffs)} according to {file}")
 
 
 class _OptimizerState(Stateful):
@@ -193,10 +253,21 @@ class CheckpointManager:
         extra_models: dict[str, torch.nn.Module] | None = None,
         extra_states: dict[str, Stateful] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        lora: LoRASettings | None = None,
+        export_merged: bool = False,
     ):
         """``extra_states``: more of the training state, e.g. rollouts generated ahead.
         ``process_group``: the ranks that save and load (the training ranks when GRPO has
-        rollout ranks); None is the whole launch."""
+        rollout ranks); None is the whole launch. ``lora``: the adapters ``model`` has (None:
+        none); ``export_merged``: the last save in HF format adds the merged model."""
+        if lora is not None and config.enable and config.last_save_model_only and config.last_save_in_hf:
+            # At start-up rather than after the whole run.
+            check_peft_family(model_args)
+        if config.initial_load_adapter_path and lora is None:
+            raise ValueError(
+                f"checkpoint.initial_load_adapter_path={config.initial_load_adapter_path!r} needs lora.enable = true"
+            )
+        self.lora, self.export_merged = lora, export_merged
         self.config = config
         self.group = process_group
         self.folder = os.path.join(dump_folder, config.folder)
@@ -204,8 +275,10 @@ class CheckpointManager:
         self.model_args = model_args
         self.tokenizer_dir = tokenizer_dir
         self.train_state = train_state
+        # With LoRA the frozen base is not part of the training state (see the module's doc).
+        trainable = trainable_names(model) if lora is not None else None
         self.states = {
-            "model": _ModelState(model),
+            "model": _ModelState(model, select=None if trainable is None else trainable.__contains__),
             "optimizer": _OptimizerState(model, optimizer),
             "lr_scheduler": lr_scheduler,
             "dataloader": dataloader,
@@ -242,39 +315,88 @@ class CheckpointManager:
                         f"checkpoint.load_step={self.config.load_step}: no complete training checkpoint "
                         f"step-{self.config.load_step} in {self.folder} (found: {sorted(resumable) or 'none'})"
                     )
-                self._load_dcp(resumable[self.config.load_step], model_only=False)
+                path = resumable[self.config.load_step]
+            else:
+                path = resumable[max(resumable)] if resumable else None
+            if path is not None:
+                # Checked before the base is read, which may take long.
+                description = read_description(path)
+                check_lora(description, self.lora, path)
+                if self.lora is not None:
+                    if description.get("base", "") != self.config.initial_load_path:
+                        logger.warning(
+                            "checkpoint %s was trained on the base %r; this run loads checkpoint.initial_load_path=%r",
+                            path,
+                            description.get("base", ""),
+                            self.config.initial_load_path,
+                        )
+                    self._load_initial(resuming=True)
+                self._load_dcp(path, self.states, "the training state")
                 return True
-            if resumable:
-                self._load_dcp(resumable[max(resumable)], model_only=False)
-                return True
+        return self._load_initial(resuming=False)
+
+    def _load_initial(self, resuming: bool) -> bool:
+        """The initial weights (resuming with LoRA: the frozen base alone); True when they came
+        with a whole training state."""
         path = self.config.initial_load_path
+        restored = False
         if not path:
-            return False
-        if not os.path.isdir(path):
+            pass
+        elif not os.path.isdir(path):
             raise ValueError(f"checkpoint.initial_load_path={path!r} does not exist")
-        if self.config.initial_load_in_hf:
+        elif self.config.initial_load_in_hf:
             load_hf_weights(self.model, path)
             logger.info("loaded Hugging Face weights from %s", path)
-            return False
+        else:
+            restored = self._load_initial_dcp(path)
+        adapter = self.config.initial_load_adapter_path
+        if adapter and not resuming:
+            if not os.path.isdir(adapter):
+                raise ValueError(f"checkpoint.initial_load_adapter_path={adapter!r} does not exist")
+            load_peft_adapter(self.model, adapter, self.lora)
+            logger.info("loaded LoRA adapters from %s", adapter)
+        return restored
+
+    def _load_initial_dcp(self, path: str) -> bool:
         description = read_description(path)
-        if description["format"] == "hf":
+        if description["format"] == "peft":
+            raise ValueError(
+                f"checkpoint.initial_load_path={path!r} is a PEFT adapter export, not a base model; name it in "
+                "checkpoint.initial_load_adapter_path"
+            )
+        if description["format"] != "dcp":
             raise ValueError(
                 f"checkpoint.initial_load_path={path!r} is a Hugging Face export; set checkpoint.initial_load_in_hf = true"
             )
-        model_only = self.config.initial_load_model_only or description["model_only"]
-        self._load_dcp(path, model_only=model_only)
-        return not model_only
+        if self.lora is None:
+            check_lora(description, None, path)
+            model_only = self.config.initial_load_model_only or description["model_only"]
+            states = {"model": self.states["model"]} if model_only else self.states
+            self._load_dcp(path, states, "model weights" if model_only else "the training state")
+            return not model_only
+        # A LoRA run starts from base weights: the optimizer state of another run does not fit it.
+        if description.get("adapters_only"):
+            raise ValueError(
+                f"checkpoint.initial_load_path={path!r} holds LoRA adapters only, not the base model (according to "
+                f"{os.path.join(path, DESCRIPTION_FILE)}); name the base model that run started from"
+            )
+        if description.get("lora") is not None:
+            check_lora(description, self.lora, path)
+            select = None  # a model-only save of an adapted model: base and adapters
+        else:
+            select = lambda name: not is_adapter_key(name)  # noqa: E731
+        self._load_dcp(path, {"model": _ModelState(self.model, select=select)}, "model weights")
+        return False
 
-    def _load_dcp(self, path: str, model_only: bool) -> None:
+    def _load_dcp(self, path: str, states: dict[str, Stateful], what: str) -> None:
         description = read_description(path)
         check_model_args(description, self.model_args, path)
         check_dcp_files(path)
-        states = {"model": self.states["model"]} if model_only else self.states
         try:
             dcp.load(states, checkpoint_id=path, process_group=self.group, no_dist=not dist.is_initialized())
         except CheckpointException as err:
             raise ValueError(f"could not load checkpoint {path}: {_unwrap(err)}") from None
-        logger.info("loaded %s from %s", "model weights" if model_only else "the training state", path)
+        logger.info("loaded %s from %s", what, path)
 
     # ------------------------------------------------------------------ saving
 
@@ -295,22 +417,21 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             os.makedirs(self.folder, exist_ok=True)
         self._barrier()
+        in_hf = model_only and self.config.last_save_in_hf
         description = {
             "step": step,
             "model_only": model_only,
-            "format": "hf" if (model_only and self.config.last_save_in_hf) else "dcp",
+            "format": ("hf" if self.lora is None else "peft") if in_hf else "dcp",
             "model_name": spec_for_args(self.model_args).name,
             "model_args": dataclasses.asdict(self.model_args),
             "world_size": dist.get_world_size(self.group) if dist.is_initialized() else 1,
         }
-        if description["format"] == "hf":
-            save_hf_checkpoint(
-                self.model,
-                partial,
-                _EXPORT_DTYPES[self.config.export_dtype],
-                self.tokenizer_dir or None,
-                group=self.group,
-            )
+        if self.lora is not None:
+            description["lora"] = lora_description(self.lora)
+            description["adapters_only"] = not model_only
+            description["base"] = self.config.initial_load_path
+        if in_hf:
+            self._save_hf(partial)
             self._commit(partial, final, description)
             return
         if model_only:
@@ -342,6 +463,15 @@ class CheckpointManager:
             return
         dcp.save(states, checkpoint_id=partial, process_group=self.group, no_dist=not dist.is_initialized())
         self._commit(partial, final, description)
+
+    def _save_hf(self, partial: str) -> None:
+        dtype, tokenizer_dir = _EXPORT_DTYPES[self.config.export_dtype], self.tokenizer_dir or None
+        if self.lora is None:
+            save_hf_checkpoint(self.model, partial, dtype, tokenizer_dir, group=self.group)
+            return
+        save_peft_adapter(self.model, partial, self.lora, dtype, tokenizer_dir, group=self.group)
+        if self.export_merged:
+            save_merged_hf(self.model, os.path.join(partial, "merged"), dtype, tokenizer_dir, group=self.group)
 
     def _commit(self, partial: str, final: str, description: dict) -> None:
         """Rank 0: mark complete (description file, then the atomic rename), then prune."""

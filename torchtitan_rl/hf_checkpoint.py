@@ -7,12 +7,17 @@ Loading reads, on every rank, only the block of each tensor that the rank's shar
 rather than through ``torch.distributed.checkpoint.HuggingFaceStorageReader`` so that errors
 name the file and the key, dtypes are cast on the way in, tied checkpoints without
 ``lm_head.weight`` load, and one code path serves torch 2.11 and 2.13.
+
+A model with LoRA adapters (``models.lora``) is a plain model here: its base loads as any model
+does and the adapters keep their values. Exporting it plainly would silently drop the adapters,
+so ``save_hf_checkpoint`` refuses; ``peft_checkpoint`` writes the adapters or the merged model.
 """
 
 import contextlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.compat import local_shard_bounds
 from torchtitan_rl.distributed.fsdp import reshard
+from torchtitan_rl.models.lora import is_adapter_key, lora_modules
 from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
 
 CONFIG_FILE = "config.json"
@@ -61,12 +67,10 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     its parallelize function). Not collective: each rank reads its own blocks independently. Values
     are cast to each parameter's dtype. Every parameter must be in the files with its shape,
     and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
+    LoRA adapters are not base weights: they are left as they are.
     """
     files, listing = _tensor_files(path)
-    # After a forward without backward, named_parameters would yield temporary gathered copies,
-    # which loading would write into and lose at the next reshard.
-    reshard(model)
-    params = _hf_sources(model)
+    params = hf_sources(model)
     # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
     to_hf = spec_for_args(model.args).to_hf
     tied_head = next(iter(to_hf({"output.weight": None}))) if model.args.tie_embeddings else None
@@ -102,15 +106,38 @@ def save_hf_checkpoint(
     with ``model.safetensors.index.json``, next to ``config.json`` and the tokenizer files of
     ``tokenizer_dir``. Everything is written into a hidden folder beside ``path`` and renamed at
     the end, so a crash never leaves a partial export at ``path``. Returns once the export is there.
+    A model with LoRA adapters is refused (ValueError): see ``peft_checkpoint``.
     """
+    if lora_modules(model):
+        # Every rank alike (same modules everywhere), before any collective.
+        raise ValueError(
+            f"cannot export {path!r} as a plain Hugging Face model: the model has LoRA adapters, which it would "
+            "drop; export the adapters (peft_checkpoint.save_peft_adapter) or the merged model "
+            "(peft_checkpoint.save_merged_hf)"
+        )
+    export_hf(model, path, dtype, hf_sources, tokenizer_dir, max_shard_bytes, group)
+
+
+@torch.no_grad()
+def export_hf(
+    model: nn.Module,
+    path: str,
+    dtype: torch.dtype,
+    sources: Callable[[nn.Module], dict[str, tuple]],
+    tokenizer_dir: str | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """``save_hf_checkpoint`` with the tensors ``sources(model)`` gives (HF key -> (source, index),
+    see ``hf_sources``). A source is a tensor, a DTensor, or any object with ``shape``,
+    ``numel()`` and a collective ``full_tensor()`` (e.g. a weight merged with its adapters)."""
     _check_export_target(path, tokenizer_dir)
     if dist.is_initialized():
         # Rank 0 may finish the export before a slow rank checked the target: under HSDP each
         # replica group gathers on its own, so nothing else holds rank 0 back.
         dist.barrier(group=group)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    reshard(model)
-    tensors = _hf_sources(model)
+    tensors = sources(model)
     sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
     shards = _plan_shards(sizes, max_shard_bytes)
     staging = _make_staging_dir(path) if is_writer else None
@@ -130,17 +157,23 @@ def save_hf_checkpoint(
         dist.barrier(group=group)  # callers on any rank may read the export once this returns
 
 
-def _hf_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
-    """HF key -> (our parameter, the index along its dim 0 the key is, or None for all of it).
+def hf_sources(model: nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+    """HF key -> (our parameter, the index along its dim 0 the key is, or None for all of it),
+    of the base weights (LoRA adapters are not listed).
 
+    Reshards ``model`` first: after a forward without backward, ``named_parameters`` would yield
+    temporary gathered copies, which a load would write into and lose at the next reshard.
     Most parameters are one HF tensor each; stacked MoE experts are one HF tensor per expert,
     which loading and export address by index so a sharded stack is never gathered whole
     just to be split. ``named_parameters`` lists a tied head once, as the embedding: HF's tied
     checkpoints (and transformers' saves) do the same.
     """
+    reshard(model)
     spec = spec_for_args(model.args)
     sources, plain = {}, {}
     for fqn, param in model.named_parameters():
+        if is_adapter_key(fqn):
+            continue
         stacked = spec.stacked_hf_keys(fqn, param.shape[0])
         if stacked is None:
             plain[fqn] = param
@@ -273,7 +306,7 @@ def _make_staging_dir(path: str) -> str:
 def _gather(
     tensors: dict[str, tuple[torch.Tensor, int | None]], keys: list[str], dtype: torch.dtype, keep: bool
 ) -> dict[str, torch.Tensor]:
-    """The full tensors ``keys`` (see ``_hf_sources``) as ``dtype`` on the CPU if ``keep``, else {}.
+    """The full tensors ``keys`` (see ``hf_sources``) as ``dtype`` on the CPU if ``keep``, else {}.
 
     Collective: every rank takes part in each DTensor's all-gather (a stacked parameter's once
     per file); ranks that do not write drop each full tensor at once instead of copying it.
@@ -282,7 +315,7 @@ def _gather(
     for key in keys:
         param, index = tensors[key]
         if index is None or id(param) not in stacks:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param
             if index is not None:
                 stacks[id(param)] = full
         else:
@@ -302,10 +335,14 @@ def _write_metadata(
         }
         _write_json(os.path.join(staging, INDEX_FILE), index)
     _write_json(os.path.join(staging, CONFIG_FILE), args.to_hf_config(str(dtype).removeprefix("torch.")))
+    copy_tokenizer_files(tokenizer_dir, staging)
+
+
+def copy_tokenizer_files(tokenizer_dir: str | None, dest: str) -> None:
     for file_name in TOKENIZER_FILES if tokenizer_dir is not None else ():
         source = os.path.join(tokenizer_dir, file_name)
         if os.path.isfile(source):
-            shutil.copyfile(source, os.path.join(staging, file_name))
+            shutil.copyfile(source, os.path.join(dest, file_name))
 
 
 def _write_json(path: str, value: dict) -> None:

@@ -4,7 +4,8 @@ One uninterrupted run of 6 steps saves at steps 3 and 6. Copies of its dump fold
 step 6 stand for a run stopped after step 3; restarting ``train.py`` on them must continue
 from step 3: bit-identically on the same layout (also the data counters: no sample is
 repeated or skipped), within float tolerance on dp=4 and on cp=2 x tp=2. A run killed while writing step 6's
-checkpoint must leave it ignored and resume from step 3.
+checkpoint must leave it ignored and resume from step 3. With LoRA, checkpoints hold the
+adapters only and the resumed run ends with the same adapter export.
 """
 
 import shutil
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from reference import launch_env
 from torchtitan_rl.checkpoint import step_folders
@@ -174,3 +177,36 @@ def test_checkpoint_written_with_activation_checkpointing_loads_without_it(unint
     full, resumed = read_scalars(str(uninterrupted / "tb")), read_scalars(str(dump / "tb"))
     for tag in EXACT_TAGS:
         assert [resumed[tag][s] for s in (4, 5, 6)] == pytest.approx([full[tag][s] for s in (4, 5, 6)], rel=1e-6), tag
+
+
+LORA_ARGS = [
+    "--lora.enable",
+    "true",
+    "--lora.rank",
+    "4",
+    "--lora.train_embeddings",
+    "true",
+    "--checkpoint.last_save_model_only",
+    "true",
+    "--checkpoint.last_save_in_hf",
+    "true",
+    "--lora.export_merged",
+    "true",
+]
+
+
+def test_lora_resume_on_same_layout_is_bit_identical(tmp_path):
+    """Adapter-only checkpoints (dp=2, FSDP-sharded adapters): the resumed run initializes its
+    frozen base from the seed again, restores the adapters and their optimizer state, and ends
+    with the same PEFT adapter export as the uninterrupted run."""
+    full_dump = tmp_path / "lora"
+    check(run(full_dump, 2, *LORA_ARGS))
+    assert sorted(step_folders(str(full_dump / "checkpoint"))) == [3, 6]
+    dump = stopped_after_step_3(full_dump, tmp_path / "lora_resumed")
+    assert "resuming after step 3" in check(run(dump, 2, *LORA_ARGS))
+    full, resumed = read_scalars(str(full_dump / "tb")), read_scalars(str(dump / "tb"))
+    for tag in EXACT_TAGS:
+        assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        a, b = (load_file(str(d / "checkpoint" / "step-6" / name)) for d in (full_dump, dump))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

@@ -7,12 +7,17 @@ import time
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from torchtitan_rl.checkpoint import DESCRIPTION_FILE, CheckpointManager, TrainState, step_folders
 from torchtitan_rl.config.job_config import Checkpoint
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.recipes.base import build_model
 
 ARGS = Qwen3ModelArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, hidden_dim=24)
 
@@ -30,9 +35,18 @@ class Loader:
         self.position = state["position"]
 
 
-def build(dump: str, seed: int = 0, args: Qwen3ModelArgs = ARGS, **config):
-    model = Qwen3Model(args)
-    model.init_weights(seed)
+def build(
+    dump: str, seed: int = 0, args: Qwen3ModelArgs = ARGS, lora: LoRASettings | None = None, merged=False, **config
+):
+    if lora is None:
+        model = Qwen3Model(args)
+        model.init_weights(seed)
+    else:
+        dims = ParallelDims(1, 1, 1, 1, world_size=1)
+        dims.build_meshes("cpu")
+        model = build_model(
+            args, parallel_dims=dims, device=torch.device("cpu"), seed=seed, param_dtype=torch.float32, lora=lora
+        )
     optimizer = build_optimizer(model, 1e-2, 0.9, 0.95, 1e-8, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 2, "linear", 0.0)
     state = TrainState()
@@ -46,6 +60,8 @@ def build(dump: str, seed: int = 0, args: Qwen3ModelArgs = ARGS, **config):
         dataloader=loader,
         train_state=state,
         model_args=args,
+        lora=lora,
+        export_merged=merged,
     )
     return manager, model, optimizer, scheduler, loader, state
 
@@ -225,3 +241,127 @@ def test_async_commit_error_reaches_wait(tmp_path, monkeypatch):
     manager.maybe_save(1, last=False)
     with pytest.raises(OSError, match="disk full"):
         manager.wait()
+
+
+# ---------------------------------------------------------------- LoRA
+
+LORA = LoRASettings(rank=2, alpha=4.0, target_modules=("wq", "wv", "w2"), train_embeddings=True)
+TRAINABLE = {
+    "tok_embeddings.weight",
+    *(
+        f"layers.0.{m}.{ab}.weight"
+        for m in ("attention.wq", "attention.wv", "feed_forward.w2")
+        for ab in ("lora_a", "lora_b")
+    ),
+}
+
+
+@torch.no_grad()
+def scramble_adapters(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.copy_(torch.randn(p.shape, generator=gen))
+
+
+def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path):
+    manager, model, optimizer, scheduler, loader, state = build(str(tmp_path), lora=LORA, interval=2)
+    train_steps(model, optimizer, scheduler, 2)
+    manager.maybe_save(2, last=False)
+    path = tmp_path / "checkpoint" / "step-2"
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    assert {k.removeprefix("model.") for k in saved if k.startswith("model.")} == TRAINABLE
+    assert {k.split(".", 2)[2].rsplit(".", 1)[0] for k in saved if k.startswith("optimizer.state.")} == TRAINABLE
+    description = json.loads((path / DESCRIPTION_FILE).read_text())
+    assert description["adapters_only"] is True and description["lora"]["rank"] == 2
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+
+    # The same run restarted (same seed: the base is initialized again), adapters elsewhere.
+    fresh, model2, optimizer2, scheduler2, *_ = build(str(tmp_path), lora=LORA, interval=2)
+    scramble_adapters(model2, 1)
+    assert fresh.load() is True
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, expected[k]), k
+    train_steps(model, optimizer, scheduler, 1)
+    train_steps(model2, optimizer2, scheduler2, 1)
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_lora_resume_loads_the_base_from_initial_load_path(tmp_path):
+    base = Qwen3Model(ARGS)
+    base.init_weights(3)
+    save_hf_checkpoint(base, str(tmp_path / "base"), torch.float32)
+    config = {"initial_load_path": str(tmp_path / "base"), "initial_load_in_hf": True, "interval": 2}
+    manager, model, optimizer, scheduler, *_ = build(str(tmp_path), lora=LORA, **config)
+    assert manager.load() is False
+    for name, value in base.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    train_steps(model, optimizer, scheduler, 2)
+    manager.maybe_save(2, last=False)
+
+    fresh, model2, *_ = build(str(tmp_path), seed=9, lora=LORA, **config)  # another init: all of it is loaded
+    assert fresh.load() is True
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+def test_lora_last_save_in_hf_is_a_peft_adapter_with_the_merged_model(tmp_path):
+    config = {"last_save_model_only": True, "last_save_in_hf": True, "interval": 10}
+    manager, model, optimizer, scheduler, *_ = build(str(tmp_path), lora=LORA, merged=True, **config)
+    scramble_adapters(model, 2)
+    manager.maybe_save(3, last=True)
+    path = tmp_path / "checkpoint" / "step-3"
+    assert json.loads((path / DESCRIPTION_FILE).read_text())["format"] == "peft"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(path))
+    tokens = torch.arange(12) % ARGS.vocab_size
+    with torch.no_grad():
+        expected = model.output(model(tokens, torch.arange(12), torch.zeros(12, dtype=torch.long)))
+        merged = Qwen3Model(ARGS)
+        load_hf_weights(merged, str(path / "merged"))
+        got = merged.output(merged(tokens, torch.arange(12), torch.zeros(12, dtype=torch.long)))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+    # Another run starts from those adapters (its base: the same seeded init).
+    start, model2, *_ = build(str(tmp_path / "next"), lora=LORA, initial_load_adapter_path=str(path))
+    assert start.load() is False
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    wrong, *_ = build(str(tmp_path / "next"), lora=LORA, initial_load_path=str(path))
+    with pytest.raises(ValueError, match="is a PEFT adapter export.*initial_load_adapter_path"):
+        wrong.load()
+    with pytest.raises(ValueError, match="initial_load_adapter_path=.*needs lora.enable"):
+        build(str(tmp_path / "next"), initial_load_adapter_path=str(path))
+
+
+def test_lora_checkpoint_of_other_adapters_or_without_them_is_refused(tmp_path):
+    manager, *_ = build(str(tmp_path / "lora"), lora=LORA, interval=1)
+    manager.maybe_save(1, last=False)
+    other, *_ = build(str(tmp_path / "lora"), lora=dataclasses.replace(LORA, rank=3, train_embeddings=False))
+    with pytest.raises(
+        ValueError,
+        match=r"other LoRA adapters: lora.rank=2 \(this run: 3\), lora.train_embeddings=True .*checkpoint.json",
+    ):
+        other.load()
+    plain, *_ = build(str(tmp_path / "lora"))
+    with pytest.raises(ValueError, match="holds a model with LoRA adapters .*lora.enable = false"):
+        plain.load()
+    manager, *_ = build(str(tmp_path / "plain"), interval=1)
+    manager.maybe_save(1, last=False)
+    adapted, *_ = build(str(tmp_path / "plain"), lora=LORA)
+    with pytest.raises(ValueError, match="without LoRA adapters .*lora.enable = true"):
+        adapted.load()
+
+
+def test_lora_model_only_save_starts_another_lora_run_with_base_and_adapters(tmp_path):
+    manager, model, *_ = build(str(tmp_path), lora=LORA, last_save_model_only=True, interval=10)
+    scramble_adapters(model, 4)
+    manager.maybe_save(5, last=True)
+    path = str(tmp_path / "checkpoint" / "step-5")
+    start, model2, *_ = build(str(tmp_path / "next"), seed=8, lora=LORA, initial_load_path=path)
+    assert start.load() is False
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    plain, *_ = build(str(tmp_path / "next"), initial_load_path=path)
+    with pytest.raises(ValueError, match="holds a model with LoRA adapters"):
+        plain.load()
