@@ -6,7 +6,7 @@ name (``layers.0.attention.wq.weight``), the adapters sit beside it as ``...wq.l
 and ``...wq.lora_b.weight``, so a checkpoint of the base loads into an adapted model unchanged
 and the model files know nothing of LoRA. Which layers can be adapted is the model family's
 business (``ModelSpec.lora_targets``); tensor parallel shards adapters after their base layer
-(``distributed.lora_parallel``).
+(``models.lora_parallel``).
 """
 
 import contextlib

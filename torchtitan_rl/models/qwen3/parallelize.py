@@ -14,9 +14,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from torchtitan_rl.distributed.fsdp import apply_fsdp
-from torchtitan_rl.distributed.lora_parallel import colwise, rowwise
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce
+from torchtitan_rl.models.lora_parallel import colwise, rowwise
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 
 
