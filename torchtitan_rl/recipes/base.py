@@ -212,6 +212,12 @@ def build_engine(
     ``num_optimizer_steps``."""
     model_args = model_args_from_config(job_config, device, tokenizer)
     dtype = compute_dtype(job_config, device)
+    if job_config.lora.enable and job_config.lora.dropout > 0:
+        logger.warning(
+            "lora.dropout = %g draws its masks per rank and micro-batch: the gradient depends on the parallel "
+            "layout (set it to 0 for layout-independent gradients)",
+            job_config.lora.dropout,
+        )
     ac, compile_config = job_config.activation_checkpoint, job_config.compile
     model = build_model(
         model_args,
@@ -376,6 +382,8 @@ class Recipe(ABC):
             extra_models=extra_models,
             extra_states=extra_states,
             process_group=self.parallel_dims.trainer_group(),
+            lora=lora_settings(self.job_config),
+            export_merged=self.job_config.lora.export_merged,
         )
 
     def setup(self) -> bool:
