@@ -255,11 +255,13 @@ class CheckpointManager:
         process_group: dist.ProcessGroup | None = None,
         lora: LoRASettings | None = None,
         export_merged: bool = False,
+        seed: int = 0,
     ):
         """``extra_states``: more of the training state, e.g. rollouts generated ahead.
         ``process_group``: the ranks that save and load (the training ranks when GRPO has
         rollout ranks); None is the whole launch. ``lora``: the adapters ``model`` has (None:
-        none); ``export_merged``: the last save in HF format adds the merged model."""
+        none); ``export_merged``: the last save in HF format adds the merged model; ``seed``: the
+        seed the base was initialized with when no ``initial_load_path`` replaces it."""
         if lora is not None and config.enable and config.last_save_model_only and config.last_save_in_hf:
             # At start-up rather than after the whole run.
             check_peft_family(model_args)
@@ -268,6 +270,8 @@ class CheckpointManager:
                 f"checkpoint.initial_load_adapter_path={config.initial_load_adapter_path!r} needs lora.enable = true"
             )
         self.lora, self.export_merged = lora, export_merged
+        # Where the frozen base comes from: an adapters-only checkpoint only resumes onto it.
+        self.base = config.initial_load_path or f"the seeded init (debug.seed = {seed})"
         self.config = config
         self.group = process_group
         self.folder = os.path.join(dump_folder, config.folder)
@@ -323,12 +327,11 @@ class CheckpointManager:
                 description = read_description(path)
                 check_lora(description, self.lora, path)
                 if self.lora is not None:
-                    if description.get("base", "") != self.config.initial_load_path:
-                        logger.warning(
-                            "checkpoint %s was trained on the base %r; this run loads checkpoint.initial_load_path=%r",
-                            path,
-                            description.get("base", ""),
-                            self.config.initial_load_path,
+                    if description.get("base") != self.base:
+                        raise ValueError(
+                            f"checkpoint {path} holds adapters trained on the base {description.get('base')!r} "
+                            f"(according to {os.path.join(path, DESCRIPTION_FILE)}), but this run's base is "
+                            f"{self.base!r}: set checkpoint.initial_load_path (or debug.seed) as in that run"
                         )
                     self._load_initial(resuming=True)
                 self._load_dcp(path, self.states, "the training state")
@@ -429,7 +432,7 @@ class CheckpointManager:
         if self.lora is not None:
             description["lora"] = lora_description(self.lora)
             description["adapters_only"] = not model_only
-            description["base"] = self.config.initial_load_path
+            description["base"] = self.base
         if in_hf:
             self._save_hf(partial)
             self._commit(partial, final, description)

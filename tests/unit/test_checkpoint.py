@@ -62,6 +62,7 @@ def build(
         model_args=args,
         lora=lora,
         export_merged=merged,
+        seed=seed,
     )
     return manager, model, optimizer, scheduler, loader, state
 
@@ -286,6 +287,11 @@ def test_lora_checkpoint_holds_what_trains_and_resumes_exactly(tmp_path):
     train_steps(model2, optimizer2, scheduler2, 1)
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), k
+
+    # Another seed is another random base: the adapters do not belong to it.
+    other, *_ = build(str(tmp_path), seed=5, lora=LORA, interval=2)
+    with pytest.raises(ValueError, match=r"trained on the base 'the seeded init \(debug.seed = 0\)'.*debug.seed = 5"):
+        other.load()
 
 
 def test_lora_resume_loads_the_base_from_initial_load_path(tmp_path):

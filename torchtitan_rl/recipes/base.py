@@ -384,6 +384,7 @@ class Recipe(ABC):
             process_group=self.parallel_dims.trainer_group(),
             lora=lora_settings(self.job_config),
             export_merged=self.job_config.lora.export_merged,
+            seed=self.job_config.debug.seed,
         )
 
     def setup(self) -> bool:
