@@ -47,7 +47,7 @@ from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
 from torchtitan_rl.models.lora import LoRASettings, is_adapter_key
 from torchtitan_rl.models.qwen3.args import architecture_differences
 from torchtitan_rl.models.registry import spec_for_args
-from torchtitan_rl.peft_checkpoint import check_peft_family, load_peft_adapter, save_merged_hf, save_peft_adapter
+from torchtitan_rl.peft_checkpoint import load_peft_adapter, save_merged_hf, save_peft_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -262,9 +262,6 @@ class CheckpointManager:
         rollout ranks); None is the whole launch. ``lora``: the adapters ``model`` has (None:
         none); ``export_merged``: the last save in HF format adds the merged model; ``seed``: the
         seed the base was initialized with when no ``initial_load_path`` replaces it."""
-        if lora is not None and config.enable and config.last_save_model_only and config.last_save_in_hf:
-            # At start-up rather than after the whole run.
-            check_peft_family(model_args)
         if config.initial_load_adapter_path and lora is None:
             raise ValueError(
                 f"checkpoint.initial_load_adapter_path={config.initial_load_adapter_path!r} needs lora.enable = true"

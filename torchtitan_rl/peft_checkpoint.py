@@ -9,11 +9,10 @@ paths under ``base_model.model.``: ``base_model.model.model.layers.0.self_attn.q
 directory on top of the HF base model; ``load_peft_adapter`` reads one (ours or PEFT's) into an
 adapted model.
 
-HF module paths come from the family's ``to_hf`` on the base weight's key, so they are the
-paths of the HF checkpoint files. PEFT sees the module paths of the model in memory, which for
-Qwen3 are the same; transformers 5 renames the VLM's modules on load
-(``model.language_model.layers...`` in memory, ``language_model.model.layers...`` on disk), so
-the VLM's adapters are refused here (its DCP checkpoints and merged exports work).
+HF module paths come from the family's ``to_hf`` on the base weight's key (the names in the HF
+checkpoint files), then its ``hf_in_memory_name``: PEFT sees the modules of the model in memory,
+which transformers 5 names otherwise for the VLM (``model.language_model.layers...`` in memory,
+``language_model.model.layers...`` on disk).
 """
 
 import contextlib
@@ -48,28 +47,17 @@ PEFT_PREFIX = "base_model.model."
 _PEFT_MATRIX = {"lora_a": "lora_A", "lora_b": "lora_B"}
 # Our lora.init -> PEFT's init_lora_weights (same distributions: see models.lora.init_adapter_).
 _PEFT_INIT = {"kaiming": True, "gaussian": "gaussian"}
-_PEFT_FAMILIES = ("qwen3",)
 
 
 # ---------------------------------------------------------------- names
 
 
-def check_peft_family(args) -> None:
-    """ValueError unless the model family of ``args`` has PEFT adapter directories."""
-    name = spec_for_args(args).name
-    if name not in _PEFT_FAMILIES:
-        raise ValueError(
-            f"PEFT adapter directories are supported for model.name in {list(_PEFT_FAMILIES)}, not {name!r}: "
-            "transformers names this family's modules in memory otherwise than in its files "
-            "(use lora.export_merged, or DCP checkpoints)"
-        )
-
-
 def _hf_module(model: nn.Module, module: str) -> str:
     """The HF module path of our module ``module`` (``model.layers.0.self_attn.q_proj`` for
     ``layers.0.attention.wq``), from the family's key mapping of its weight."""
-    (hf_key,) = spec_for_args(model.args).to_hf({f"{module}.weight": None})
-    return hf_key.removesuffix(".weight")
+    spec = spec_for_args(model.args)
+    (hf_key,) = spec.to_hf({f"{module}.weight": None})
+    return spec.hf_in_memory_name(hf_key).removesuffix(".weight")
 
 
 def peft_sources(model: nn.Module, settings: LoRASettings) -> dict[str, torch.Tensor]:
@@ -145,7 +133,6 @@ def save_peft_adapter(
     adapter is gathered on every rank, global rank 0 writes into a hidden folder beside ``path``
     and renames it at the end.
     """
-    check_peft_family(model.args)
     if not lora_modules(model):
         raise ValueError(f"cannot write PEFT adapter {path!r}: the model has no LoRA adapters")
     _check_export_target(path, tokenizer_dir)
@@ -268,7 +255,6 @@ def load_peft_adapter(model: nn.Module, path: str, settings: LoRASettings) -> No
     tensors exactly the adapters (PEFT's copy of a base layer it adapted as an embedding,
     ``*.base_layer.weight``, is not read: the base comes from the base checkpoint).
     """
-    check_peft_family(model.args)
     _check_adapter_config(model, path, settings)
     file = os.path.join(path, ADAPTER_WEIGHTS_FILE)
     if not os.path.isfile(file):

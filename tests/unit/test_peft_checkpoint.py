@@ -13,7 +13,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3ForCausalLM
+from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
@@ -30,7 +30,8 @@ from torchtitan_rl.peft_checkpoint import (
 from torchtitan_rl.recipes.base import build_model
 from unit.test_qwen3_model import hf_and_ours, hf_logits, our_logits, random_tokens, small_args
 from unit.test_vlm_hf_checkpoint import packed_logits
-from unit.test_vlm_model import make_samples
+from unit.test_vlm_model import hf_and_ours as vlm_hf_and_ours
+from unit.test_vlm_model import hf_sample_logits, make_samples
 from unit.test_vlm_model import small_args as vlm_args
 
 ALL_LINEAR = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -210,23 +211,35 @@ def test_missing_or_foreign_tensor_is_named(tmp_path):
         load_peft_adapter(model, str(tmp_path), settings)
 
 
-def test_vlm_merged_export_matches_the_adapted_model_and_adapters_are_refused(tmp_path):
+def test_vlm_adapter_matches_peft_on_mistral3_and_merged_export_matches(tmp_path):
+    """PEFT names the VLM's modules as transformers builds them in memory
+    (``model.language_model.layers...``), not as its files do."""
     settings = LoRASettings(rank=2, alpha=3.0, target_modules=("wq", "w3", "projector"), train_embeddings=True)
+    hf, _ = vlm_hf_and_ours()
+    hf.save_pretrained(tmp_path / "base")
     dims = ParallelDims(1, 1, 1, 1, world_size=1)
     dims.build_meshes("cpu")
     args = vlm_args()
     model = build_model(
         args, parallel_dims=dims, device=torch.device("cpu"), seed=0, param_dtype=torch.float32, lora=settings
     )
+    load_hf_weights(model, str(tmp_path / "base"))
     randomize(model, train_embeddings=True)
-    with pytest.raises(
-        ValueError, match="PEFT adapter directories are supported for model.name in .'qwen3'., not 'vlm'"
-    ):
-        save_peft_adapter(model, str(tmp_path / "adapter"), settings, torch.float32)
+    samples = make_samples(args)
+    with torch.no_grad():
+        ours = packed_logits(model, samples)
+    save_peft_adapter(model, str(tmp_path / "adapter"), settings, torch.float32)
+    base = Mistral3ForConditionalGeneration.from_pretrained(tmp_path / "base", attn_implementation="eager").eval()
+    peft = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    adapted = {name for name, _ in peft.named_modules() if name.endswith("lora_A")}
+    assert len(adapted) == 2 * 2 + 3  # wq and w3 of both layers, the projector's three linears
+    with torch.no_grad():
+        for got, (ids, images) in zip(ours, samples):
+            torch.testing.assert_close(got, hf_sample_logits(peft, ids, images), rtol=1e-5, atol=1e-5)
+
     save_merged_hf(model, str(tmp_path / "merged"), torch.float32)
     plain = VLMModel(args)
     load_hf_weights(plain, str(tmp_path / "merged"))
-    samples = make_samples(args)
     with torch.no_grad():
-        for got, expected in zip(packed_logits(plain, samples), packed_logits(model, samples)):
+        for got, expected in zip(packed_logits(plain, samples), ours):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

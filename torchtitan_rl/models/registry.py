@@ -35,6 +35,9 @@ class ModelSpec:
     # (our key, size of dim 0) -> the HF keys of its dim-0 slices when HF stores a stacked
     # parameter (MoE experts) as one tensor per slice, else None.
     stacked_hf_keys: Callable[[str, int], list[str] | None] = lambda key, size: None
+    # An HF file key -> the name of that tensor in the model transformers builds from the files
+    # (the names PEFT gives adapters), where the two differ.
+    hf_in_memory_name: Callable[[str], str] = lambda key: key
     takes_images: bool = False
 
 
@@ -63,6 +66,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         vlm_adapter.from_hf,
         ("mistral3",),
         VLM_LORA_TARGETS,
+        hf_in_memory_name=vlm_adapter.in_memory_name,
         takes_images=True,
     ),
 }

@@ -106,6 +106,15 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: VLMModelArgs) -> dict[
     return state_dict
 
 
+def in_memory_name(key: str) -> str:
+    """The name transformers 5 gives the on-disk key ``key`` in the model it builds (what PEFT
+    names adapters after): ``language_model.model.layers.0...`` -> ``model.language_model.layers.0...``."""
+    for in_memory, disk in _IN_MEMORY_TO_DISK:
+        if key.startswith(disk):
+            return in_memory + key.removeprefix(disk)
+    return key
+
+
 def _disk_name(key: str) -> str:
     for in_memory, disk in _IN_MEMORY_TO_DISK:
         if key.startswith(in_memory):
