@@ -4,7 +4,9 @@ Two training ranks (FSDP, or TP) and two rollout ranks: the trainers broadcast t
 twice (version 0, then every parameter doubled as version 1) in buckets small enough that
 there are several; the rollout ranks load each version into their replica, split a step's
 generation between them over their ``rollout`` mesh with version 0 loaded, and the first one
-sends the rollouts to both trainers. Every rank records what it holds for test_rollout_ranks.py.
+sends the rollouts to both trainers. With LoRA (FSDP trainers) the first broadcast carries every
+parameter and the second, after the adapters moved, the adapters alone, which the rollout ranks
+merge. Every rank records what it holds for test_rollout_ranks.py.
 """
 
 import torch
@@ -14,6 +16,7 @@ import layout_cases as lc
 from generator_cases import prompts
 from rl_cases import NUM_SAMPLES, PARAMS, SEED, STEP, gather_to_all, summary
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.recipes.base import build_model
 from torchtitan_rl.rl import rollout_ranks
 from torchtitan_rl.rl.generator import TorchGenerator
@@ -30,6 +33,9 @@ from torchtitan_rl.rl.rollouts import exchange_among_peers, generate_share
 ROLLOUT_LAYOUTS = ((1, 2, 1, 1), (1, 1, 1, 2))
 NUM_TRAINERS = NUM_ROLLOUT_RANKS = 2
 BUCKET_BYTES = 16 * 1024  # the test model's 100 KiB of weights take several buckets
+LORA = LoRASettings(rank=2, alpha=4.0)
+LORA_LAYOUT = (1, 2, 1, 1)
+ADAPTER_STEP = 0.125  # what the LoRA trainers add to every adapter between the two broadcasts
 
 
 def layout_key(layout: tuple) -> str:
@@ -44,6 +50,7 @@ def run_rollout_rank_checks(world_size: int, results: dict) -> None:
     try:
         for layout in ROLLOUT_LAYOUTS:
             run_layout(layout, results)
+        run_lora(results)
     finally:
         rollout_ranks.BUCKET_BYTES = saved
 
@@ -92,3 +99,29 @@ def run_layout(layout: tuple, results: dict) -> None:
             "rollouts": summary(rollouts),
         }
     results[layout_key(layout)] = gather_to_all(mine)
+
+
+def run_lora(results: dict) -> None:
+    dims = ParallelDims(*LORA_LAYOUT, world_size=NUM_TRAINERS, num_rollout_ranks=NUM_ROLLOUT_RANKS)
+    dims.build_meshes("cpu")
+    topology = build_rollout_topology(NUM_TRAINERS, NUM_ROLLOUT_RANKS, "cpu", 120)
+    args = lc.model_args(False)
+    cpu = torch.device("cpu")
+    if dims.is_trainer:
+        model = build_model(args, parallel_dims=dims, device=cpu, seed=lc.SEED, param_dtype=torch.float32, lora=LORA)
+        sender = WeightSender(topology, torch.float32, cpu)
+        sent = [sender.send(model, 0)]
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(ADAPTER_STEP)
+        sent.append(sender.send(model, 1))
+        sender.wait()
+        mine = {"role": "trainer", "bytes": sent}
+    else:
+        generator = TorchGenerator(args, cpu, lora=LORA)
+        receiver = WeightReceiver(topology, generator, cpu)
+        received = [receiver.receive(0), receiver.receive(1)]
+        weights = {name: p.clone() for name, p in generator.model.named_parameters()}
+        mine = {"role": "rollout", "bytes": received, "weights": weights, "version": generator.version}
+    results["rollout_ranks/lora"] = gather_to_all(mine)

@@ -16,6 +16,10 @@
   dp=1 x tp=2 trainers log the same numbers, every trained batch lags at most 2 steps and some
   lag exactly 2; resuming that run from its mid-run checkpoint (rollouts in flight saved)
   reproduces it; a rollout rank killed or stopped ends the launch with an error naming it.
+- LoRA with a rollout rank (from the layout runs' start, KL on): after the first broadcast only
+  the adapters go out (the logged bytes are theirs), the rollout rank's float32 replica samples
+  the trainer's log-probs (1e-4) though it merges them itself, the KL is against the base, and
+  the checkpoint holds no reference model.
 """
 
 import os
@@ -33,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 
 from reference import launch_env
 from torchtitan_rl.checkpoint import step_folders
+from torchtitan_rl.models.registry import get_model_spec
 from torchtitan_rl.rl.rollout_ranks import staleness
 from torchtitan_rl.tensorboard_io import read_scalars
 
@@ -175,6 +180,7 @@ ASYNC_RUNS = (
     ("async_k0_dp2", 3, ROLLOUT_RANK),
     ("async_k2_dp2", 3, (*ASYNC_K2, *ASYNC_CHECKPOINTS)),
     ("async_k2_tp2", 3, (*ASYNC_K2, "--parallelism.tensor_parallel_degree", "2")),
+    ("lora_k0", 2, (*ROLLOUT_RANK, "--lora.enable", "true", "--checkpoint.enable", "true")),
 )
 
 
@@ -264,8 +270,8 @@ def test_rollout_ranks_at_staleness_0_log_the_colocated_numbers(layout_runs, lay
                 assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (colocated, tag, step)
     assert set(test["rl/staleness_max"].values()) == {0.0}
     assert set(test["rl/dropped_stale"].values()) == {0.0}
-    # Weights went out after every step whose weights generate a later one.
-    assert sorted(test["comm/weight_sync_bytes"]) == list(range(1, LAYOUT_STEPS))
+    # Weights went out at the start (logged at step 0) and after every step whose weights generate a later one.
+    assert sorted(test["comm/weight_sync_bytes"]) == list(range(LAYOUT_STEPS))
     assert min(test["comm/weight_sync_bytes"].values()) > 0
 
 
@@ -312,6 +318,27 @@ def read_in_flight(checkpoint: Path) -> list:
 
 
 @pytest.mark.parametrize("layout", ["turns_dp2", "turns_cp2", "turns_dp2_tp2"])
+def test_grpo_with_lora_sends_the_adapters_alone_and_refers_to_the_base(layout_runs):
+    run, steps = layout_runs["lora_k0"], list(range(1, LAYOUT_STEPS + 1))
+    # The default [lora]: rank 8 on wq, wk, wv, wo, w1, w2, w3 of every layer (A [8, in], B [out, 8]).
+    a = get_model_spec("qwen3").flavors["debugmodel"]
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    per_layer = 8 * (2 * (a.dim + q) + 2 * (a.dim + kv) + 3 * (a.dim + a.hidden_dim))
+    adapters = 4.0 * per_layer * a.n_layers
+    # At the start every parameter: the plain run's weights and the adapters.
+    everything = layout_runs["async_k0_one"]["comm/weight_sync_bytes"][0] + adapters
+    assert run["comm/weight_sync_bytes"] == {0: everything, **{step: adapters for step in steps[:-1]}}
+    # Merged on the rollout rank, the replica is the adapted policy: a missed or stale merge
+    # would leave it the base, whose log-probs differ by the KL's order and more (~1e-2).
+    assert sorted(run["rl/sampler_logprob_diff_max"]) == steps
+    assert max(run["rl/sampler_logprob_diff_max"].values()) < 1e-4
+    assert min(run["rl/kl"].values()) > 0 and min(run["grad_norm"].values()) > 0
+    assert max(run["rl/logprob_diff_max"].values()) > 1e-2  # the adapters did move the policy
+    saved = dcp.FileSystemReader(str(layout_runs["out"] / "lora_k0" / "checkpoint" / f"step-{LAYOUT_STEPS}"))
+    keys = list(saved.read_metadata().state_dict_metadata)
+    assert any(".lora_b." in key for key in keys) and not any("reference" in key for key in keys)
+
+
 def test_multi_turn_steps_are_the_same_on_every_layout(layout_runs, layout):
     baseline, test = layout_runs["turns_one"], layout_runs[layout]
     for tag in MULTI_TURN_TAGS:

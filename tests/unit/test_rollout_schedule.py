@@ -1,20 +1,25 @@
 """The rollout ranks' schedule and bookkeeping, without processes: which weights generate each
 step (against the definition: the lag never exceeds max_staleness and is as small as the run
 allows), which versions the trainers send (against the set the schedule uses, by brute force),
-how the weights are cut into broadcasts, which saved rollouts a resumed run keeps, and the
+how the weights are cut into broadcasts and described in their header, which saved rollouts a resumed run keeps, and the
 config rules of rollout ranks."""
 
 import pytest
 
 from test_config import assert_error, parse
+from test_generator import ARGS
+from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.recipes.base import build_parallel_dims
+from torchtitan_rl.rl.generator import sync_names, trained_parameters
 from torchtitan_rl.rl.rollout_ranks import (
     StepBatch,
+    check_weights_header,
     generation_version,
     is_version_sent,
     staleness,
     usable_in_flight,
     weight_buckets,
+    weights_header,
 )
 
 GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
@@ -60,6 +65,35 @@ def test_weight_buckets_fill_in_order_up_to_the_limit():
         if following is not None:
             assert size + numels[following[0]] * itemsize > limit  # full: the next one did not fit
     assert weight_buckets(numels, itemsize, 10**9) == [list(range(len(numels)))]
+
+
+def header_of(sources: dict, version: int, full: bool) -> list[int]:
+    names = sync_names({name: trains for name, (_, trains) in sources.items()}, full)
+    return weights_header(version, full, names, [sources[name][0] for name in names])
+
+
+def test_a_weights_header_describes_what_is_sent_and_a_mismatch_is_a_clear_error():
+    lora, plain = trained_parameters(ARGS, LoRASettings(rank=4, alpha=8.0)), trained_parameters(ARGS, None)
+    full, adapters = header_of(lora, 3, True), header_of(lora, 3, False)
+    check_weights_header(adapters, header_of(lora, 3, False))
+    adapter_sizes = [shape.numel() for name, (shape, _) in lora.items() if ".lora_" in name]
+    assert adapters[1:4] == [0, len(adapter_sizes), sum(adapter_sizes)]
+    assert full[1:4] == [1, len(lora), sum(shape.numel() for shape, _ in lora.values())]
+    with pytest.raises(RuntimeError, match="out of order: expected version 3, got version 2"):
+        check_weights_header(header_of(lora, 2, False), adapters)
+    # A LoRA trainer's adapters, to a rollout rank without LoRA that trains everything.
+    with pytest.raises(
+        RuntimeError,
+        match=rf"sent the trainable parameters: {len(adapter_sizes)} tensors.*expects the trainable parameters: "
+        rf"{len(plain)} tensors.*\[lora\] settings",
+    ):
+        check_weights_header(adapters, header_of(plain, 3, False))
+    with pytest.raises(RuntimeError, match="sent every parameter.*expects the trainable parameters"):
+        check_weights_header(full, adapters)
+    # The same counts cut into other shapes differ in their fingerprint alone.
+    swapped = weights_header(0, True, ["a", "b"], [(2, 3), (3, 2)])
+    with pytest.raises(RuntimeError, match="2 tensors, 12 elements, names and shapes"):
+        check_weights_header(swapped, weights_header(0, True, ["a", "b"], [(3, 2), (2, 3)]))
 
 
 def batch(step: int, version: int) -> StepBatch:

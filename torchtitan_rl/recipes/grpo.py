@@ -10,6 +10,8 @@ samples between data-parallel ranks so each mini-batch's work is even; optionall
 log-probs before the update (the proximal policy, kept apart from the sampler's) with the
 rollout correction's weights, and the reference's (KL); then ``ppo_epochs`` passes of
 ``num_minibatches`` optimizer steps.
+With LoRA the reference is the policy's own model with its adapters off (no second copy of the
+weights), and weight syncs after the first carry only the adapters.
 The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
 and devices; the generator knows decoding.
 """
@@ -27,6 +29,7 @@ from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config, resolve_loss_fn
 from torchtitan_rl.losses.reduction import NUM_TOKENS
+from torchtitan_rl.models.lora import adapters_disabled, lora_modules
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import (
     REDUCE_DTYPES,
@@ -34,6 +37,7 @@ from torchtitan_rl.recipes.base import (
     RunContext,
     build_model,
     compute_dtype,
+    lora_settings,
     start_run,
 )
 from torchtitan_rl.recipes.grpo_data import (
@@ -46,6 +50,7 @@ from torchtitan_rl.recipes.grpo_data import (
 from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
+from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 from torchtitan_rl.rl.rollout_ranks import (
     RolloutClient,
@@ -140,14 +145,17 @@ class GRPORecipe(Recipe):
                 self.stream,
                 self.env_class,
             )
-        self.reference = self._build_reference() if rl.use_reference else None
+        # With LoRA the reference is the base under the adapters (``base_logprobs``): nothing to build or save.
+        is_lora = lora_settings(job_config) is not None
+        self.reference = self._build_reference() if rl.use_reference and not is_lora else None
         extra = {"reference": self.reference.model} if self.reference is not None else None
         rollouts = {"rollouts": self.rollout_client} if self.rollout_client is not None else None
         self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts)
 
     def setup(self) -> bool:
         """Resume from the latest checkpoint; or, on a fresh run, the SFT warm-up (unless the run
-        starts from a checkpoint of its own) and the reference := the policy RL starts from.
+        starts from a checkpoint of its own) and the reference := the policy RL starts from (with
+        LoRA: checked to be the base).
         Then start the rollout ranks, if any, from the policy RL continues with."""
         resumed = super().setup()
         if not resumed:
@@ -157,8 +165,13 @@ class GRPORecipe(Recipe):
                 with torch.no_grad():
                     for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
                         ref.copy_(param)
+            elif self.job_config.rl.use_reference:
+                check_adapters_add_nothing(self.engine.model)
         if self.rollout_client is not None:
-            self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
+            sent = self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
+            if sent:
+                # The rollout ranks' first weights (every parameter), logged at the step they are from.
+                self.metrics.write_scalars(self.train_state.step, {"comm/weight_sync_bytes": float(sent)})
         return resumed
 
     def _build_reference(self) -> Engine:
@@ -297,8 +310,9 @@ class GRPORecipe(Recipe):
         slots = [s for mb in slots_by_minibatch for s in mb]
         if self.rollout_client is None:
             with timed(times, "weight_sync"):
-                self._sync_replica(step - 1)
+                num_bytes = self._sync_replica(step - 1)
             kept, values, num_generated = self._rollout_groups(step, slots, times)
+            values["comm/weight_sync_bytes"] = float(num_bytes)
         else:
             kept, values, num_generated = self._received_groups(step, slots, times)
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
@@ -313,9 +327,13 @@ class GRPORecipe(Recipe):
         values.update({f"data/{key}": value for key, value in balance_stats.items()})
 
         all_samples = [s for mb in minibatches for s in mb]
-        if self.reference is not None:
+        if rl.use_reference:
             with timed(times, "reference"):
-                for sample, logprobs in zip(all_samples, self.reference.forward(all_samples).logprobs):
+                if self.reference is not None:
+                    reference = self.reference.forward(all_samples).logprobs
+                else:
+                    reference = base_logprobs(self.engine, all_samples)
+                for sample, logprobs in zip(all_samples, reference):
                     sample.ref_logprobs = logprobs
         if self.recompute_proximal:
             with timed(times, "old_logprobs"):
@@ -343,11 +361,12 @@ class GRPORecipe(Recipe):
         values["tokens/trained"] = float(num_trained)
         return values
 
-    def _sync_replica(self, version: int) -> None:
+    def _sync_replica(self, version: int) -> int:
         """Load the policy (the weights after step ``version``) into the trainers' replica, unless
-        it holds them already. Collective over the training ranks."""
+        it holds them already; the bytes taken. Collective over the training ranks."""
         if self.generator.version != version or not self.generator.is_loaded:
-            self.generator.update_weights(self.engine.model, version)
+            return self.generator.update_weights(self.engine.model, version)
+        return 0
 
     def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
@@ -484,6 +503,26 @@ class GRPORecipe(Recipe):
             "eval/sampled_pass@1": float(sums[3]) / n,
             "time/eval_s": time.perf_counter() - start,
         }
+
+
+def base_logprobs(engine: Engine, samples: list[Sample]) -> list[torch.Tensor]:
+    """The reference policy's log-probs under LoRA: the policy's model with its adapters off."""
+    with adapters_disabled(engine.model):
+        return engine.forward(samples).logprobs
+
+
+def check_adapters_add_nothing(model: torch.nn.Module) -> None:
+    """The base is the reference (``base_logprobs``) only when it is the policy RL starts from:
+    every adapter's B is zero, as initialized. Not so when the run starts from trained adapters.
+    Collective over the training ranks (a sharded B is gathered)."""
+    trained = [name for name, m in lora_modules(model).items() if bool(full_tensor(m.lora_b.weight).any())]
+    if trained:
+        raise ValueError(
+            f"rl.use_reference with lora.enable: the run starts from trained adapters ({trained[0]} and "
+            f"{len(trained) - 1} more), so the KL reference (the base, adapters off) is not the policy RL starts "
+            "from; start from the merged weights (lora.export_merged) with fresh adapters, or set "
+            "rl.use_reference = false and loss.kl_coef = 0"
+        )
 
 
 def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:

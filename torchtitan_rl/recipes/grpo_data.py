@@ -8,7 +8,7 @@ import torch
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.chat import tokenize_prompt
-from torchtitan_rl.recipes.base import RunContext, check_divisible_by_data_parallel
+from torchtitan_rl.recipes.base import RunContext, check_divisible_by_data_parallel, lora_settings
 from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.tasks import Problem, Task, build_task
@@ -44,6 +44,7 @@ def read_task(run: RunContext) -> TaskData:
     warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
     if warmup:
         check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
+        check_lora_reference(cfg)
     num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
     task = build_task(
         rl.task,
@@ -84,6 +85,21 @@ def read_task(run: RunContext) -> TaskData:
     return TaskData(task, train_prompts, eval_prompts, stop_token_ids, env_class)
 
 
+def check_lora_reference(job_config: JobConfig) -> None:
+    """With LoRA the reference policy is the policy's own model with its adapters skipped: the
+    base. That is the policy RL starts from only while the adapters add nothing; an SFT warm-up
+    trains them, and the KL term would then pull RL back towards the model before the warm-up.
+    Call when the run warms up."""
+    cfg = job_config
+    if cfg.lora.enable and cfg.rl.use_reference:
+        raise ValueError(
+            f"rl.sft_warmup_steps={cfg.rl.sft_warmup_steps} with lora.enable and rl.use_reference: the warm-up "
+            "trains the adapters, and the KL reference (the base, adapters off) would not be the policy RL starts "
+            "from. Warm up in a run of its own and start from its merged export (checkpoint.initial_load_path), "
+            "or set rl.sft_warmup_steps = 0, or loss.kl_coef = 0 and rl.use_reference = false"
+        )
+
+
 def first_messages(env_class: type, env_name: str, problem: Problem) -> list[dict]:
     """``env_class(problem).reset()``, or a ValueError naming the environment and the problem."""
     try:
@@ -99,9 +115,15 @@ def first_messages(env_class: type, env_name: str, problem: Problem) -> list[dic
 
 
 def build_generator(job_config: JobConfig, model_args, device: torch.device) -> TorchGenerator:
-    """An unsharded replica of the policy for sampling."""
+    """An unsharded replica of the policy for sampling (with LoRA: of its merged weights)."""
     generation = job_config.generation
-    return TorchGenerator(model_args, device, GENERATION_DTYPES[generation.dtype], generation.max_prompts_per_batch)
+    return TorchGenerator(
+        model_args,
+        device,
+        GENERATION_DTYPES[generation.dtype],
+        generation.max_prompts_per_batch,
+        lora=lora_settings(job_config),
+    )
 
 
 def sampling_params(job_config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingParams:

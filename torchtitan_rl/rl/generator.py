@@ -3,6 +3,14 @@
 Every trainer rank holds an unsharded replica of the policy (docs/design.md, 'The RL step'), refreshed with
 ``update_weights`` after each optimizer step, and samples its share of the step's prompts.
 
+Weight syncs take only what can have changed: the first one into a replica (no weights yet)
+takes every parameter of the trained model, later ones only those that train. With LoRA the
+replica is still a plain model: it keeps the base weight of each adapted layer as it arrived and
+sets the layer's weight to ``merged_weight(base, A, B, scale)`` from each sync's adapters, so
+an adapter-only sync leaves exactly the replica a full load of the merged weights gives. Every
+tensor arrives in the replica's dtype (the rollout ranks' broadcast carries that dtype, and the
+colocated sync casts the same way), so both paths build the same replica bit for bit.
+
 How a batch of prompts is generated (``kv_cache=True``):
 
 1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
@@ -39,8 +47,9 @@ from torchtitan_rl.models.attention import (
     LayerAttention,
     build_attention_context,
 )
+from torchtitan_rl.models.lora import LoRASettings, adapted_module_name, add_adapters, is_adapter_key, merged_weight
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
-from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.models.qwen3.model import LORA_TARGETS, Qwen3Model
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,7 @@ class Rollout:
 class RolloutEngine(Protocol):
     """The seam a GPU inference engine can implement later."""
 
-    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None: ...
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> int: ...  # the bytes taken
 
     def generate(
         self,
@@ -237,6 +246,27 @@ def _pack(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.cat(sequences), positions, seq_ids, lens.cumsum(0) - 1
 
 
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) parameter: ``full_tensor()``, a collective, for a DTensor."""
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+
+
+def sync_names(trains: dict[str, bool], full: bool) -> list[str]:
+    """The parameters a weight sync carries, in the order every side uses: all of them (``full``,
+    into a replica without weights) or those that train. ``trains``: name -> requires_grad."""
+    return sorted(name for name, trained in trains.items() if full or trained)
+
+
+def trained_parameters(args: Qwen3ModelArgs, lora: LoRASettings | None) -> dict[str, tuple[torch.Size, bool]]:
+    """name -> (shape, whether it trains) of the parameters of the model the trainers train:
+    the plain model, or with ``lora`` its adapted form (built on meta, nothing allocated)."""
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+        if lora is not None:
+            add_adapters(model, lora, LORA_TARGETS)
+    return {name: (p.shape, p.requires_grad) for name, p in model.named_parameters()}
+
+
 class TorchGenerator:
     """``RolloutEngine`` on an unsharded ``Qwen3Model`` replica (CPU or CUDA).
 
@@ -245,6 +275,10 @@ class TorchGenerator:
     ``[rows, longest prompt + max_new_tokens, n_kv_heads, head_dim]``. Results are bitwise
     independent of how prompts are split over ranks whenever this size divides every rank's
     share (float kernels may round differently for other batch shapes).
+
+    ``lora``: the trained model carries these adapters; the replica holds its merged weights and
+    keeps a copy of each adapted layer's base (in the replica's dtype: a bfloat16 replica merges
+    into the bfloat16-rounded base, as it would round a full model's weights).
     """
 
     def __init__(
@@ -254,6 +288,7 @@ class TorchGenerator:
         dtype: torch.dtype = torch.float32,
         max_prompts_per_batch: int = 8,
         kv_cache: bool = True,
+        lora: LoRASettings | None = None,
     ):
         if max_prompts_per_batch < 1:
             raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
@@ -267,43 +302,81 @@ class TorchGenerator:
         self.model = model.to_empty(device=self.device).to(dtype).eval().requires_grad_(False)
         self._loaded = False
         self.version = 0  # of the weights loaded last; every rollout carries it
+        self.lora = lora
+        self.sources = trained_parameters(model_args, lora)
+        self._params = dict(self.model.named_parameters())
+        self._adapted = {adapted_module_name(name) for name in self.sources if is_adapter_key(name)}
+        self._bases: dict[str, torch.Tensor] = {}  # adapted layer -> its base weight, as last received
+        self._pending: dict[str, torch.Tensor] = {}  # the adapters of the sync in progress
 
     @property
     def is_loaded(self) -> bool:
         return self._loaded
 
+    def next_sync(self) -> list[tuple[str, torch.Size]]:
+        """(name, full shape) of the trained model's parameters the next sync takes, in order:
+        every one while the replica has no weights, then only those that train."""
+        names = sync_names({name: trains for name, (_, trains) in self.sources.items()}, not self._loaded)
+        return [(name, self.sources[name][0]) for name in names]
+
     @torch.no_grad()
-    def update_weights(self, model: torch.nn.Module, version: int = 0) -> None:
-        """Copy every parameter of the trained ``model`` (plain, FSDP2, HSDP or TP) by name;
-        ``version`` tags the rollouts generated with them.
+    def update_weights(self, model: torch.nn.Module, version: int = 0) -> int:
+        """Take the trained ``model``'s weights (plain, FSDP2, HSDP or TP; ``next_sync`` says
+        which) by name; ``version`` tags the rollouts generated with them. Returns the bytes
+        taken, in the replica's dtype.
 
         A sharded parameter is gathered with ``full_tensor()``, a collective: every rank of the
-        job must call this at the same time. Parameters go in the replica's order, which is
+        job must call this at the same time. Parameters go in ``next_sync``'s order, which is
         the same on every rank; a tied embedding is one parameter, gathered once.
         """
         source = dict(model.named_parameters())
         self._check_names(source.keys())
-        for name, param in self.model.named_parameters():
-            value = source[name]
-            param.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
-        self._loaded = True
-        self.version = version
+        num_bytes = sum(self._take(name, full_tensor(source[name])) for name, _ in self.next_sync())
+        self._finish(version)
+        return num_bytes
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Copy full (unsharded) ``tensors`` into the replica by name: weights that arrived from
-        elsewhere, e.g. a trainer's broadcast to a rollout rank."""
-        self._check_names(tensors.keys())
-        for name, param in self.model.named_parameters():
-            param.copy_(tensors[name])
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Take full (unsharded) ``tensors``, exactly the ones ``next_sync`` names: weights that
+        arrived from elsewhere, e.g. a trainer's broadcast to a rollout rank. Returns their bytes
+        in the replica's dtype."""
+        names = [name for name, _ in self.next_sync()]
+        if set(tensors) != set(names):
+            raise ValueError(
+                f"a weight sync into a replica {'with' if self._loaded else 'without'} weights takes "
+                f"{len(names)} tensors: missing {sorted(set(names) - set(tensors))}, unexpected "
+                f"{sorted(set(tensors) - set(names))}"
+            )
+        num_bytes = sum(self._take(name, tensors[name]) for name in names)
+        self._finish(version)
+        return num_bytes
+
+    def _take(self, name: str, value: torch.Tensor) -> int:
+        """Copy one parameter of the trained model into the replica, or keep it for the merge
+        (an adapter, an adapted layer's base); its bytes in the replica's dtype."""
+        dtype = self.model.output.weight.dtype
+        if is_adapter_key(name):
+            self._pending[name] = value.to(self.device, dtype)
+        elif (module := name.removesuffix(".weight")) in self._adapted:
+            self._bases[module] = value.to(self.device, dtype, copy=True)
+        else:
+            self._params[name].copy_(value)
+        return value.numel() * dtype.itemsize
+
+    def _finish(self, version: int) -> None:
+        """Merge every adapted layer from its kept base and the adapters just taken."""
+        for module in sorted(self._adapted):
+            a, b = (self._pending.pop(f"{module}.lora_{x}.weight") for x in "ab")
+            self._params[f"{module}.weight"].copy_(merged_weight(self._bases[module], a, b, self.lora.scale))
+        assert not self._pending, sorted(self._pending)
         self._loaded = True
         self.version = version
 
     def _check_names(self, names) -> None:
-        expected = {name for name, _ in self.model.named_parameters()}
+        expected = set(self.sources)
         if set(names) != expected:
             raise ValueError(
-                "the trained model's parameters do not match the generator's model_args: missing "
+                "the trained model's parameters do not match the generator's model_args and LoRA settings: missing "
                 f"{sorted(expected - set(names))}, unexpected {sorted(set(names) - expected)}"
             )
 

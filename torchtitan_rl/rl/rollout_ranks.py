@@ -6,9 +6,12 @@ messages, all on torch.distributed (gloo on CPU, NCCL for the weights on GPU):
 - start (training rank 0 -> every rollout rank, point to point): the version of the weights
   the run starts from, the first step to generate and the prompt stream's position there;
 - weights (training rank 0 -> rollout ranks, a broadcast on their own group): a header
-  (version, element count) and the parameters flattened in name order into buckets of at most
-  ``BUCKET_BYTES``, in the generator's dtype: a bounded number of collectives, each tensor
-  once. Version v is the policy after RL step v (0: the one RL starts from);
+  (``weights_header``: version, full or trainable only, tensor and element counts, a
+  fingerprint of the names and shapes) and the parameters flattened in name order into buckets
+  of at most ``BUCKET_BYTES``, in the generator's dtype: a bounded number of collectives, each
+  tensor once. The first weights a rollout rank gets are every parameter of the trained model,
+  later ones only those that train (with LoRA: the adapters, merged on the rollout rank; see
+  ``rl.generator``). Version v is the policy after RL step v (0: the one RL starts from);
 - a step's rollouts (the first rollout rank -> every training rank, point to point): a
   pickled ``StepBatch``;
 - finished (training rank 0 -> every rollout rank): training and its last checkpoint are done.
@@ -26,6 +29,7 @@ token ids, their behaviour log-probs and the version.
 """
 
 import datetime
+import hashlib
 import logging
 import pickle
 from dataclasses import dataclass, field
@@ -35,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
+from torchtitan_rl.rl.generator import full_tensor, sync_names
 from torchtitan_rl.rl.rollouts import ScoredGroup
 
 logger = logging.getLogger(__name__)
@@ -160,37 +164,67 @@ def weight_buckets(numels: list[int], itemsize: int, limit: int) -> list[list[in
     return buckets
 
 
-def _full(param: torch.Tensor) -> torch.Tensor:
-    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
+def weights_header(version: int, full: bool, names: list[str], shapes: list) -> list[int]:
+    """What a weights message carries: [version, full (1) or trainable only (0), tensors,
+    elements, fingerprint]; the fingerprint (63 bits of a SHA-256 of the names and shapes) makes
+    two sides that would cut the same number of elements differently disagree too."""
+    described = ";".join(f"{name}:{tuple(shape)}" for name, shape in zip(names, shapes))
+    fingerprint = int.from_bytes(hashlib.sha256(described.encode()).digest()[:8], "little") & (2**63 - 1)
+    return [version, int(full), len(names), sum(torch.Size(shape).numel() for shape in shapes), fingerprint]
+
+
+def check_weights_header(got: list[int], expected: list[int]) -> None:
+    """A clear error when the weights that arrived are not the ones this rollout rank expects."""
+    if got == expected:
+        return
+    if got[0] != expected[0]:
+        raise RuntimeError(f"weights out of order: expected version {expected[0]}, got version {got[0]}")
+
+    def describe(header: list[int]) -> str:
+        kind = "every parameter" if header[1] else "the trainable parameters"
+        return f"{kind}: {header[2]} tensors, {header[3]} elements, names and shapes {header[4]:#x}"
+
+    raise RuntimeError(
+        f"weights of version {got[0]}: training rank 0 sent {describe(got)}; this rollout rank expects "
+        f"{describe(expected)}. Both sides build the model from the same [model] and [lora] settings; "
+        "they differ here"
+    )
 
 
 class WeightSender:
     """The training ranks' side of the weight broadcast. Every training rank calls ``send`` (a
     sharded parameter is gathered with ``full_tensor()``); rank 0 broadcasts without waiting
-    and keeps the buffers until the next send, which first waits for the previous one."""
+    and keeps the buffers until the next send, which first waits for the previous one.
+
+    The first send carries every parameter (the rollout ranks start without weights, also in a
+    resumed run), later ones only those that train (``sync_names``)."""
 
     def __init__(self, topology: RolloutTopology, dtype: torch.dtype, device: torch.device):
         self.topology, self.dtype, self.device = topology, dtype, device
         self.is_sender = dist.get_rank() == 0
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._sent_full = False
 
     @torch.no_grad()
     def send(self, model: nn.Module, version: int) -> int:
         """Broadcast ``model``'s weights as ``version``; returns the bytes sent."""
         self.wait()
         params = dict(model.named_parameters())
-        names = sorted(params)
-        numels = [params[name].numel() for name in names]  # global sizes, DTensor or not
-        header = torch.tensor([version, sum(numels)], dtype=torch.int64)
+        full = not self._sent_full
+        names = sync_names({name: p.requires_grad for name, p in params.items()}, full)
+        shapes = [params[name].shape for name in names]  # global shapes, DTensor or not
+        numels = [shape.numel() for shape in shapes]
+        header = torch.tensor(weights_header(version, full, names, shapes), dtype=torch.int64)
         group = self.topology.weight_group
         if self.is_sender:
             self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
         for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             # One bucket's full tensors at a time: every rank joins each gather, rank 0 keeps them.
-            parts = [_full(params[names[i]]) for i in bucket]
+            parts = [full_tensor(params[names[i]]) for i in bucket]
             if self.is_sender:
                 flat = torch.cat([p.to(self.dtype).reshape(-1) for p in parts]).to(self.device)
                 self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
+        self._sent_full = True
         if not self.is_sender:
             return 0
         return sum(numels) * self.dtype.itemsize
@@ -203,32 +237,31 @@ class WeightSender:
 
 
 class WeightReceiver:
-    """The rollout ranks' side: weights of the next version into ``generator``'s replica."""
+    """The rollout ranks' side: weights of the next version into ``generator``'s replica, the
+    tensors its ``next_sync`` names."""
 
     def __init__(self, topology: RolloutTopology, generator, device: torch.device):
         self.topology, self.generator, self.device = topology, generator, device
-        named = sorted(generator.model.named_parameters())
-        self.names = [name for name, _ in named]
-        self.shapes = [p.shape for _, p in named]
-        self.dtype = named[0][1].dtype
+        self.dtype = generator.model.output.weight.dtype
 
-    def receive(self, version: int) -> None:
+    def receive(self, version: int) -> int:
+        """The weights of ``version`` into the replica; the bytes received."""
         group = self.topology.weight_group
-        header = torch.zeros(2, dtype=torch.int64)
+        expected = self.generator.next_sync()
+        names = [name for name, _ in expected]
+        shapes = [shape for _, shape in expected]
+        header = torch.zeros(5, dtype=torch.int64)
         what = f"training rank 0 sent no weights of version {version}"
         self.topology.wait(dist.broadcast(header, src=0, group=group, async_op=True), what)
-        numels = [shape.numel() for shape in self.shapes]
-        if header.tolist() != [version, sum(numels)]:
-            raise RuntimeError(
-                f"weights out of order: expected version {version} of {sum(numels)} elements, got {header.tolist()}"
-            )
+        check_weights_header(header.tolist(), weights_header(version, not self.generator.is_loaded, names, shapes))
+        numels = [shape.numel() for shape in shapes]
         tensors = {}
         for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
             self.topology.wait(dist.broadcast(flat, src=0, group=group, async_op=True), what)
             for i, part in zip(bucket, flat.split([numels[i] for i in bucket])):
-                tensors[self.names[i]] = part.view(self.shapes[i])
-        self.generator.load_weights(tensors, version)
+                tensors[names[i]] = part.view(shapes[i])
+        return self.generator.load_weights(tensors, version)
 
 
 # ------------------------------------------------------------------ the training ranks' side
@@ -266,9 +299,11 @@ class RolloutClient:
         self._outbox = Outbox()
         self._next_received = 0  # the step of the next batch the rollout ranks send
 
-    def start(self, model: nn.Module, version: int, stream_state: dict[str, Any]) -> None:
+    def start(self, model: nn.Module, version: int, stream_state: dict[str, Any]) -> int:
         """Tell the rollout ranks where the run starts (after step ``version``, with the prompt
-        stream at ``stream_state``) and send them the weights. Every training rank calls it."""
+        stream at ``stream_state``) and send them the weights (every parameter: the rollout
+        ranks start without any). Every training rank calls it; the bytes sent (0 on ranks that
+        only gather, and when no step is left to generate)."""
         kept = usable_in_flight(self.in_flight, version, self.max_staleness)
         self._num_dropped = len(self.in_flight) - len(kept)
         self.in_flight = kept
@@ -281,8 +316,7 @@ class RolloutClient:
         if dist.get_rank() == 0:
             for rank in self.topology.rollout_ranks:
                 self._outbox.send(start, rank)
-        if step <= self.num_steps:
-            self.sender.send(model, version)
+        return self.sender.send(model, version) if step <= self.num_steps else 0
 
     def send_weights(self, model: nn.Module, version: int) -> int:
         """Broadcast the policy after step ``version``; the bytes sent (0 on ranks that only
