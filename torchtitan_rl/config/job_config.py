@@ -502,7 +502,8 @@ class RL:
 
     use_reference: bool = False
     """Keep a frozen copy of the starting policy (FSDP-sharded like it) for the KL penalty
-    loss.kl_coef; needed exactly when loss.kl_coef > 0."""
+    loss.kl_coef; needed exactly when loss.kl_coef > 0. With lora.enable the reference is the
+    base (the policy with its adapters off, no copy), so RL must start from untrained adapters."""
 
     eval_interval: int = bounded(0, ge=0)
     """Evaluate every this many steps (and at the last step, and, on a run that starts RL, at
