@@ -4,6 +4,7 @@ Kept free of any reference computation: the references live in the test module.
 """
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -21,6 +22,19 @@ ADAM_EPS = 1e-4
 
 
 VOCAB = 64
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole of ``t`` (gathered, a collective, when it is a DTensor)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@torch.no_grad()
+def set_full_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Give ``param`` (possibly sharded) the whole value ``value``, the same on every rank."""
+    if isinstance(param, DTensor):
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
 
 
 def model_args(tie_embeddings: bool = False, attn_backend: str = "sdpa_dense") -> Qwen3ModelArgs:

@@ -8,7 +8,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
 import torchtitan_rl.engine as engine_module
@@ -38,10 +37,6 @@ from torchtitan_rl.recipes.base import build_model
 from vlm_cases import run_vlm_checks
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def share(samples, dims: ParallelDims, balance: bool = False, budget: int = 0):
     """This DP rank's samples: a contiguous slice, or (``balance``) the compute-balanced
     assignment for micro-batches of ``budget`` tokens."""
@@ -62,7 +57,7 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
     )
     prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}" + ("_tied" if tie else "")
     prefix += {"sdpa_dense": "", "sdpa_varlen": "_varlen"}[attn_backend]
-    results[f"{prefix}/init"] = {fqn: full(p) for fqn, p in model.named_parameters()}
+    results[f"{prefix}/init"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -104,7 +99,7 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
         for variant in variants:
             samples = share(lc.global_batch(variant), dims, balance, budget)
             fb = engine.forward_backward(samples, loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
-        grads = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
         if step:
             optim = engine.optim_step()
         else:
@@ -122,7 +117,7 @@ def run_layout(dims: ParallelDims, tie: bool, results: dict, cases, attn_backend
         )
         entry = {"grads": grads, "logged": logged}
         if step:
-            entry["params"] = {fqn: full(p) for fqn, p in model.named_parameters()}
+            entry["params"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
         results[case_key(prefix, loss_fn, mode, budget, variants, step)] = entry
 
 
@@ -277,7 +272,7 @@ def run_bad_inputs(dims: ParallelDims, results: dict) -> None:
         dist.all_gather_object(messages, message)
         results[f"bad_input/{name}"] = messages
     engine.forward_backward(share(lc.global_batch("rl"), dims), "ppo", lc.RL_LOSS_FNS["ppo"])
-    results["bad_input/then_good_step_grad"] = {fqn: full(p.grad) for fqn, p in model.named_parameters()}
+    results["bad_input/then_good_step_grad"] = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
 
 
 # (dp_replicate, dp_shard, cp, tp) layouts that also run with activation checkpointing.
@@ -332,7 +327,7 @@ def run_activation_checkpointing(dims: ParallelDims, results: dict) -> None:
         engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
         engine.forward_backward(share(lc.global_batch(AC_CASE[3][0]), dims))
         results["ac/rep{}_shard{}_cp{}_tp{}/{}".format(*layout, mode)] = {
-            "grads": {fqn: full(p.grad) for fqn, p in model.named_parameters()},
+            "grads": {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()},
             "block_runs": runs["blocks"],
             "micro_batches": runs["model"][0],
         }
@@ -375,7 +370,7 @@ def run_compile(dims: ParallelDims, results: dict) -> None:
     )
     engine.forward_backward(share(lc.global_batch(variants[0]), dims))
     results["compile/rep{}_shard{}_cp{}_tp{}".format(*layout)] = {
-        fqn: full(p.grad) for fqn, p in model.named_parameters()
+        fqn: lc.full(p.grad) for fqn, p in model.named_parameters()
     }
 
 

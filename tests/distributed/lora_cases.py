@@ -11,7 +11,6 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import layout_cases as lc
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -46,17 +45,11 @@ def set_adapters(model: torch.nn.Module) -> None:
     for fqn, param in model.named_parameters():
         if is_adapter_key(fqn):
             full = adapter_values(fqn, param.shape)
-            if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full)
+            lc.set_full_(param, full)
 
 
 def case_key(layout: tuple, name: str) -> str:
     return "lora/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{name}"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def run_lora_checks(dims: ParallelDims, results: dict) -> None:
@@ -74,9 +67,9 @@ def run_lora_checks(dims: ParallelDims, results: dict) -> None:
     metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
     samples = lc.global_batch("uneven")[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
-    results[case_key(layout, "init")] = {fqn: _full(p) for fqn, p in model.named_parameters()}
+    results[case_key(layout, "init")] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
     results[case_key(layout, "optimizer_numel")] = sum(
-        _full(p).numel() for group in optimizer.param_groups for p in group["params"]
+        lc.full(p).numel() for group in optimizer.param_groups for p in group["params"]
     )
     for mode, step in CASES:
         options = EngineOptions(
@@ -90,7 +83,7 @@ def run_lora_checks(dims: ParallelDims, results: dict) -> None:
             model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
         )
         fb = engine.forward_backward(samples)
-        grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters() if p.grad is not None}
+        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters() if p.grad is not None}
         if step:
             optim = engine.optim_step()
         else:
@@ -107,5 +100,5 @@ def run_lora_checks(dims: ParallelDims, results: dict) -> None:
         )
         entry = {"grads": grads, "logged": logged}
         if step:
-            entry["params"] = {fqn: _full(p) for fqn, p in model.named_parameters()}
+            entry["params"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
         results[case_key(layout, mode)] = entry

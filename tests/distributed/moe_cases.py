@@ -12,7 +12,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 import layout_cases as lc
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -66,17 +65,11 @@ def set_router_weights(model: torch.nn.Module) -> None:
         if fqn.endswith("router.weight"):
             layer = int(fqn.split("layers.")[1].split(".")[0])
             full = ROUTER_STD * torch.randn(param.shape, generator=torch.Generator().manual_seed(100 + layer))
-            if isinstance(param, DTensor):
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full)
+            lc.set_full_(param, full)
 
 
 def case_key(layout: tuple, name: str) -> str:
     return "moe/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{name}"
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def run_moe_checks(dims: ParallelDims, results: dict) -> None:
@@ -111,7 +104,7 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
         )
         samples = lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
         fb = engine.forward_backward(samples)
-        grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
+        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         model.zero_grad(set_to_none=True)
         logged = metrics.log(

@@ -11,7 +11,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import layout_cases as lc
 from torchtitan_rl.data.balance import assign_to_ranks
@@ -131,10 +130,6 @@ def case_key(layout: tuple, mode: str, budget: tuple, balance: bool, step: bool 
     )
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
 def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
     layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     if layout not in VLM_LAYOUTS:
@@ -165,7 +160,7 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
         )
         samples = rank_samples(global_batch(), dims, balance, budget)
         fb = engine.forward_backward(samples)
-        grads = {fqn: _full(p.grad) for fqn, p in model.named_parameters()}
+        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
         optim = (
             engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         )
@@ -182,7 +177,7 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
         )
         entry = {"grads": grads, "logged": logged, "num_images": [s.num_patches > 0 for s in samples].count(True)}
         if step:
-            entry["params"] = {fqn: _full(p) for fqn, p in model.named_parameters()}
+            entry["params"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
         gathered = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
         if dist.is_initialized():
             dist.all_gather_object(gathered, entry["num_images"])
