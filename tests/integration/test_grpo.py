@@ -317,7 +317,6 @@ def read_in_flight(checkpoint: Path) -> list:
     return pickle.loads(state["rollouts"]["in_flight"])
 
 
-@pytest.mark.parametrize("layout", ["turns_dp2", "turns_cp2", "turns_dp2_tp2"])
 def test_grpo_with_lora_sends_the_adapters_alone_and_refers_to_the_base(layout_runs):
     run, steps = layout_runs["lora_k0"], list(range(1, LAYOUT_STEPS + 1))
     # The default [lora]: rank 8 on wq, wk, wv, wo, w1, w2, w3 of every layer (A [8, in], B [out, 8]).
@@ -339,6 +338,7 @@ def test_grpo_with_lora_sends_the_adapters_alone_and_refers_to_the_base(layout_r
     assert any(".lora_b." in key for key in keys) and not any("reference" in key for key in keys)
 
 
+@pytest.mark.parametrize("layout", ["turns_dp2", "turns_cp2", "turns_dp2_tp2"])
 def test_multi_turn_steps_are_the_same_on_every_layout(layout_runs, layout):
     baseline, test = layout_runs["turns_one"], layout_runs[layout]
     for tag in MULTI_TURN_TAGS:

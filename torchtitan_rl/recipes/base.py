@@ -237,6 +237,11 @@ def build_engine(
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
     o, s, t = job_config.optimizer, job_config.lr_scheduler, job_config.training
     optimizer = build_optimizer(model, o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation)
+    if job_config.lora.enable:
+        # Global sizes: an FSDP / TP shard reports its whole parameter's.
+        trained = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
+        total = sum(p.numel() for p in model.parameters())
+        logger.info("LoRA: training %d of %d parameters (%.2f%%)", trained, total, 100 * trained / total)
     lr_scheduler = build_lr_scheduler(optimizer, num_optimizer_steps, s.warmup_steps, s.decay_type, s.min_lr_factor)
     horizon = job_config.loss.horizon if job_config.loss.horizon is not None else t.seq_len
     options = EngineOptions(
