@@ -165,13 +165,15 @@ TIED_CASES = [("cross_entropy", "token_mean", 24, ("uneven",), False)]
 # Layouts that combine several parallel dims: every mode once, at the budget that gives
 # several micro-batches per rank (CI time on 2 cores; single-dim layouts run every budget).
 COMPOSITE_CASES = [case for case in CASES if case[2] == 24]
-# Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS.
+# Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS. Layouts
+# that combine several parallel dims run the budget of several micro-batches per rank only.
 RL_CASES = [
     (loss_fn, mode, budget, ("rl",), False)
     for loss_fn in lc.RL_LOSS_FNS
     for mode in REDUCTION_MODES
     for budget in lc.RL_BUDGETS
 ]
+COMPOSITE_RL_CASES = [case for case in RL_CASES if case[2] == 24]
 
 
 def run_logprobs(tp_mesh, results: dict) -> None:
@@ -380,7 +382,9 @@ def run_all_layouts(world_size: int) -> dict:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
         dims.build_meshes("cpu")
         composite = sum(d > 1 for d in (dp_replicate, dp_shard, cp, tp)) > 1
-        rl_cases = RL_CASES if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
+        rl_cases = (
+            (COMPOSITE_RL_CASES if composite else RL_CASES) if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
+        )
         # RL cases first: the last SFT case steps the optimizer.
         run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if composite else CASES))
         run_gspo_cp_mutant(dims, results)

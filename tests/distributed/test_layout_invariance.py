@@ -371,7 +371,8 @@ def test_rl_losses_with_kl_and_entropy_equal_full_batch_reference(results, world
         if layout in lc.layouts(world)
         for loss_fn in lc.RL_LOSS_FNS
         for mode in REDUCTION_MODES
-        for budget in lc.RL_BUDGETS
+        # Layouts that combine parallel dims run the budget of several micro-batches only.
+        for budget in (lc.RL_BUDGETS if sum(d > 1 for d in layout) <= 1 else (24,))
     }
     assert checked == expected
 
