@@ -15,7 +15,7 @@ run ``--rounds`` times each, alternating, and the table shows the median round.
 
 GRPO weight sync: ``train_configs/debug_grpo.toml`` for ``--grpo-steps`` RL steps on 2 ranks
 (colocated, and 1 trainer + 1 rollout rank), without and with LoRA; ``comm/weight_sync_bytes``
-is what one sync moves at the first step (the whole base) and at a later step.
+is what one sync moves at the first step (the whole model) and at the last step.
 """
 
 import argparse
@@ -141,7 +141,7 @@ def sft_rows(args) -> tuple[list[list[str]], dict]:
         rows.append(
             [
                 name,
-                f"{results[0]['trainable'] / 1e6:.2f}M of {results[0]['params'] / 1e6:.1f}M",
+                f"{results[0]['trainable'] / 1e6:.2f}M of {results[0]['params'] / 1e6:.2f}M",
                 f"{m['step_s']:.2f} s ({ratio(m['step_s'], median['full']['step_s'])})",
                 f"{m['peak_rss_gib']:.2f} GiB ({ratio(m['peak_rss_gib'], median['full']['peak_rss_gib'])})",
             ]

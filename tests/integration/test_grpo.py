@@ -273,6 +273,9 @@ def test_rollout_ranks_at_staleness_0_log_the_colocated_numbers(layout_runs, lay
     # Weights went out at the start (logged at step 0) and after every step whose weights generate a later one.
     assert sorted(test["comm/weight_sync_bytes"]) == list(range(LAYOUT_STEPS))
     assert min(test["comm/weight_sync_bytes"].values()) > 0
+    # The colocated replica takes the same bytes each step (its first sync logged at step 1).
+    colocated = layout_runs["one"]["comm/weight_sync_bytes"]
+    assert colocated == {step: test["comm/weight_sync_bytes"][0] for step in range(1, LAYOUT_STEPS + 1)}
 
 
 def test_rollout_ranks_at_staleness_2_are_exact_across_training_layouts_and_resume(layout_runs):

@@ -131,6 +131,7 @@ class GRPORecipe(Recipe):
         # The trainers' own replica: every rollout when colocated, evaluation only otherwise.
         needs_replica = self.rollout_client is None or rl.eval_interval > 0
         self.generator = build_generator(job_config, self.model_args, self.device) if needs_replica else None
+        self._synced_bytes = 0  # taken by the replica since the last step's log
         self.sampling = sampling_params(job_config, data.stop_token_ids)
         self.stream = PromptStream(len(self.train_prompts), rl.prompts_per_step, job_config.debug.seed)
         self.sampler = None
@@ -310,9 +311,11 @@ class GRPORecipe(Recipe):
         slots = [s for mb in slots_by_minibatch for s in mb]
         if self.rollout_client is None:
             with timed(times, "weight_sync"):
-                num_bytes = self._sync_replica(step - 1)
+                self._sync_replica(step - 1)
             kept, values, num_generated = self._rollout_groups(step, slots, times)
-            values["comm/weight_sync_bytes"] = float(num_bytes)
+            # Everything the replica took since the last step's log: an evaluation's sync included.
+            values["comm/weight_sync_bytes"] = float(self._synced_bytes)
+            self._synced_bytes = 0
         else:
             kept, values, num_generated = self._received_groups(step, slots, times)
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
@@ -361,12 +364,11 @@ class GRPORecipe(Recipe):
         values["tokens/trained"] = float(num_trained)
         return values
 
-    def _sync_replica(self, version: int) -> int:
+    def _sync_replica(self, version: int) -> None:
         """Load the policy (the weights after step ``version``) into the trainers' replica, unless
-        it holds them already; the bytes taken. Collective over the training ranks."""
+        it holds them already, counting the bytes taken. Collective over the training ranks."""
         if self.generator.version != version or not self.generator.is_loaded:
-            return self.generator.update_weights(self.engine.model, version)
-        return 0
+            self._synced_bytes += self.generator.update_weights(self.engine.model, version)
 
     def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
