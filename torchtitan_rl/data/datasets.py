@@ -39,6 +39,7 @@ def _hf_datasets():
 
     return datasets
 
+
 # Extension → format family; the files of one dataset must share it.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
