@@ -14,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 import layout_cases as lc
+import lora_cases
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import build_model
@@ -43,6 +45,10 @@ AUX_ONLY = "aux_only"
 AUX_ONLY_CONFIG = RouterLossConfig(aux_loss_coef=1.0)
 MICROBATCH = "microbatch_pooled"
 MICROBATCH_CONFIG = RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="microbatch", aux_loss_layers="pooled")
+# The global_pooled case on a model whose attention and dense MLP carry LoRA adapters (the
+# experts are not adapted): only the adapters train, the router losses still count.
+LORA = "lora_global_pooled"
+LORA_SETTINGS = LoRASettings(rank=2, alpha=4.0, target_modules=("wq", "wo", "w1", "w2"))
 ROUTER_STD = 1.0  # HF's init std of 0.02 leaves top-k near-ties that float noise flips
 
 
@@ -79,18 +85,24 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
     device = torch.device("cpu")
     model = build_model(model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     set_router_weights(model)
-    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
-    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    lora_model = build_model(
+        model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, lora=LORA_SETTINGS
+    )
+    set_router_weights(lora_model)
+    lora_cases.set_adapters(lora_model)
     rank = dist.get_rank() if dist.is_initialized() else 0
     metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
     share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
-    cases = [(name, config, "uneven") for name, config in ROUTER_CONFIGS.items()]
-    cases.append((AUX_ONLY, AUX_ONLY_CONFIG, "no_loss"))
+    cases = [(name, config, "uneven", model) for name, config in ROUTER_CONFIGS.items()]
+    cases.append((AUX_ONLY, AUX_ONLY_CONFIG, "no_loss", model))
+    cases.append((LORA, ROUTER_CONFIGS["global_pooled"], "uneven", lora_model))
     if dims.batch_degree == 1:
         # Layout-dependent on purpose, but exact for a given micro-batch plan (here the same
         # 3 micro-batches on every layout without data parallel), whatever CP / TP split them.
-        cases.append((MICROBATCH, MICROBATCH_CONFIG, "uneven"))
-    for name, config, variant in cases:
+        cases.append((MICROBATCH, MICROBATCH_CONFIG, "uneven", model))
+    for name, config, variant, model in cases:
+        optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+        scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
         options = EngineOptions(
             reduction="token_mean",
             horizon=lc.HORIZON,
@@ -104,7 +116,7 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
         )
         samples = lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
         fb = engine.forward_backward(samples)
-        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
+        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters() if p.requires_grad}
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         model.zero_grad(set_to_none=True)
         logged = metrics.log(

@@ -1,6 +1,7 @@
 """Router losses are exact for any layout: with the load-balancing loss (global and sequence
 scopes, pooled and summed over layers; the micro-batch scope for a fixed micro-batch plan)
-and the z-loss on, gradients (router and experts),
+and the z-loss on, gradients (router and experts; with LoRA on attention and the dense MLP,
+the adapters'),
 grad norm and the logged moe/aux_loss and moe/z_loss on dp 2, cp 2, tp 2, dp2 x cp2 and
 cp2 x tp2, with several micro-batches per rank and a filler micro-batch, equal a one-process
 reference that runs every sequence alone and writes the losses out by hand.
@@ -11,8 +12,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 import layout_cases as lc
+import lora_cases
 import moe_cases as mc
 from test_layout_invariance import assert_rel_close, grad_norm, greedy_plan
 from torchtitan_rl.models.qwen3.model import Qwen3Model
@@ -43,12 +46,17 @@ def reference(name: str):
     config = {mc.AUX_ONLY: mc.AUX_ONLY_CONFIG, mc.MICROBATCH: mc.MICROBATCH_CONFIG}.get(name) or mc.ROUTER_CONFIGS.get(
         name
     )
+    if name == mc.LORA:
+        config = mc.ROUTER_CONFIGS["global_pooled"]
     variant = "no_loss" if name == mc.AUX_ONLY else "uneven"
     model = reference_model()
+    forward, leaves = model, dict(model.named_parameters())
+    if name == mc.LORA:
+        forward, leaves = lora_forward(model)
     ce, masks, stats = [], [], []
     for s in lc.global_batch(variant):
         n = len(s)
-        hidden, router = model(s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        hidden, router = forward(s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
         ce.append(F.cross_entropy(model.output(hidden), s.labels, reduction="none"))
         masks.append(s.loss_mask.float())
         stats.append(router)
@@ -74,9 +82,27 @@ def reference(name: str):
         ) / len(stats)
     z = sum(st.z_sums.sum() for st in stats) / num_tokens
     loss = token_loss + config.aux_loss_coef * aux + config.z_loss_coef * z
-    loss.backward()
-    grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
+    grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
     return grads, float(token_loss.detach()), float(aux.detach()), float(z.detach()), config
+
+
+def lora_forward(model):
+    """The model's forward with every adapted weight written out as W + alpha / r * B A, and the
+    adapters (the only tensors that train) by name. The adapted layers are listed from the
+    architecture: the attention projections of every layer, the dense MLP of layer 0."""
+    settings = mc.LORA_SETTINGS
+    adapted = [f"layers.{i}.attention.{w}" for i in range(mc.model_args().n_layers) for w in ("wq", "wo")]
+    adapted += [f"layers.0.feed_forward.{w}" for w in ("w1", "w2")]
+    model.requires_grad_(False)
+    leaves, weights = {}, {}
+    for module in adapted:
+        out_features, in_features = model.get_submodule(module).weight.shape
+        a, b = f"{module}.lora_a.weight", f"{module}.lora_b.weight"
+        leaves[a] = lora_cases.adapter_values(a, (settings.rank, in_features)).requires_grad_()
+        leaves[b] = lora_cases.adapter_values(b, (out_features, settings.rank)).requires_grad_()
+        base = model.get_submodule(module).weight
+        weights[f"{module}.weight"] = base + settings.alpha / settings.rank * leaves[b] @ leaves[a]
+    return (lambda *args: functional_call(model, weights, args)), leaves
 
 
 def moe_entries(results):
@@ -84,7 +110,7 @@ def moe_entries(results):
 
 
 def test_every_moe_layout_and_case_was_run(layout_results):
-    names = [*mc.ROUTER_CONFIGS, mc.AUX_ONLY]
+    names = [*mc.ROUTER_CONFIGS, mc.AUX_ONLY, mc.LORA]
     expected = {mc.case_key(layout, name) for layout in mc.MOE_LAYOUTS for name in names}
     expected |= {mc.case_key(layout, mc.MICROBATCH) for layout in mc.MOE_LAYOUTS if layout[0] * layout[1] == 1}
     assert set(moe_entries(layout_results)) == expected
