@@ -31,6 +31,11 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, device
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
+    if backend == "gloo":
+        # Gloo connects each pair of ranks during init; a rank that is done with its side may
+        # fail a config check and exit while a peer still connects to it, which the peer then
+        # reports as a crash ("connectFullMesh failed") instead of the check's error.
+        dist.barrier()
     return dist.get_rank(), dist.get_world_size(), device
 
 
