@@ -16,7 +16,8 @@ from torchtitan_rl.models.lora import (
     adapters_disabled,
     effective_weight,
     is_adapter_key,
-    merge_adapters,
+    lora_modules,
+    merged_weight,
 )
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model
@@ -117,7 +118,9 @@ def test_vlm_adapts_language_model_and_projector_not_vision_tower():
 def test_merged_weights_give_the_adapted_models_logits():
     model = build(target_modules=ALL)
     randomize_adapters(model)
-    merged = merge_adapters({n: p.detach() for n, p in model.named_parameters()}, scale=2.0)
+    merged = {n: p.detach() for n, p in model.named_parameters() if not is_adapter_key(n)}
+    for name, layer in lora_modules(model).items():
+        merged[f"{name}.weight"] = merged_weight(layer.weight, layer.lora_a.weight, layer.lora_b.weight, scale=2.0)
     plain = Qwen3Model(ARGS)
     plain.load_state_dict(merged)
     ids = torch.randint(0, 64, (11,), generator=torch.Generator().manual_seed(1))

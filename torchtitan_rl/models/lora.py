@@ -177,15 +177,3 @@ def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor
     """``base + scale * B A`` (full tensors), computed in float32 and returned in base's dtype."""
     delta = (lora_b.float() @ lora_a.float()) * scale
     return (base.float() + delta).to(base.dtype)
-
-
-def merge_adapters(tensors: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
-    """Full tensors of an adapted model by name -> the plain model's: every adapted weight
-    merged with its adapters, the adapter entries dropped."""
-    merged = {name: value for name, value in tensors.items() if not is_adapter_key(name)}
-    for name in tensors:
-        if name.endswith(".lora_a.weight"):
-            module = adapted_module_name(name)
-            weight = f"{module}.weight"
-            merged[weight] = merged_weight(tensors[weight], tensors[name], tensors[f"{module}.lora_b.weight"], scale)
-    return merged
