@@ -138,14 +138,20 @@ def check_lora(description: dict[str, Any], settings: LoRASettings | None, path:
 
 
 class _OptimizerState(Stateful):
+    """The optimizer's state and hyperparameters keyed by parameter name: flattened, so that a
+    layout with other parameter groups loads it (``optim.build_optimizer`` makes one group per
+    device mesh, and expert parallel or tensor parallel add meshes)."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._OPTIONS)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict, options=self._OPTIONS)
 
 
 class _RNGState(Stateful):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_rl.compat import local_shard_bounds
 from torchtitan_rl.distributed.fsdp import reshard
@@ -136,21 +136,26 @@ def export_hf(
         # Rank 0 may finish the export before a slow rank checked the target: under HSDP each
         # replica group gathers on its own, so nothing else holds rank 0 back.
         dist.barrier(group=group)
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     tensors = sources(model)
     sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
-    shards = _plan_shards(sizes, max_shard_bytes)
-    staging = _make_staging_dir(path) if is_writer else None
+    writers = {key: _writer(param, index) for key, (param, index) in tensors.items()}
+    shards = _plan_shards(sizes, max_shard_bytes, writers)
+    staging = _make_staging_dir(path) if rank == 0 else None
+    if any(writers.values()):
+        staging = _share(staging, group)  # expert parallel: every owner of experts writes their files
     try:
-        for file_name, keys in shards.items():
-            gathered = _gather(tensors, keys, dtype, keep=staging is not None)
-            if staging is not None:
+        for file_name, (writer, keys) in shards.items():
+            gathered = _gather(tensors, keys, dtype, keep=rank == writer)
+            if rank == writer:
                 save_file(gathered, os.path.join(staging, file_name), metadata={"format": "pt"})
-        if staging is not None:
+        if any(writers.values()):
+            dist.barrier(group=group)  # every file is written before rank 0 completes the export
+        if rank == 0:
             _write_metadata(staging, model.args, dtype, sum(sizes.values()), shards, tokenizer_dir)
             os.rename(staging, path)
     except BaseException:
-        if staging is not None:
+        if rank == 0:
             shutil.rmtree(staging, ignore_errors=True)
         raise
     if dist.is_initialized():
@@ -279,19 +284,56 @@ def _check_export_target(path: str, tokenizer_dir: str | None) -> None:
         raise ValueError(f"tokenizer_dir {tokenizer_dir!r} has no tokenizer.json to copy into the export")
 
 
-def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, list[str]]:
-    """{file name: keys}, filled in order up to ``max_shard_bytes`` (a bigger tensor gets its own file)."""
-    groups: list[list[str]] = [[]]
+def _plan_shards(
+    sizes: dict[str, int], max_shard_bytes: int, writers: dict[str, int]
+) -> dict[str, tuple[int, list[str]]]:
+    """{file name: (the rank writing it, its keys)}: each writer's keys in order, filled up to
+    ``max_shard_bytes`` per file (a bigger tensor gets its own file); the writers' files are
+    numbered in rank order."""
+    groups: list[tuple[int, list[str]]] = []
     used = 0
-    for key, size in sizes.items():
-        if groups[-1] and used + size > max_shard_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(key)
-        used += size
+    for writer in sorted(set(writers.values())):
+        groups.append((writer, []))
+        used = 0
+        for key, size in sizes.items():
+            if writers[key] != writer:
+                continue
+            if groups[-1][1] and used + size > max_shard_bytes:
+                groups.append((writer, []))
+                used = 0
+            groups[-1][1].append(key)
+            used += size
     if len(groups) == 1:
         return {SINGLE_FILE: groups[0]}
-    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": keys for i, keys in enumerate(groups, start=1)}
+    return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, start=1)}
+
+
+def _writer(param: torch.Tensor, index: int | None) -> int:
+    """The global rank that writes the HF tensor: the owner of an expert under expert parallel
+    (the first of the ranks holding it), rank 0 for everything else."""
+    block = _expert_parallel_block(param)
+    if index is None or block is None:
+        return 0
+    mesh, num_local = block
+    owner = index // num_local
+    return int(mesh.mesh[(0,) * (mesh.ndim - 1) + (owner,)])
+
+
+def _expert_parallel_block(param: torch.Tensor) -> tuple | None:
+    """(mesh, experts per rank) of a stacked parameter split over an ``ep`` mesh dim (the last
+    one, see ``ParallelDims``); None for any other tensor."""
+    if not isinstance(param, DTensor) or "ep" not in (param.device_mesh.mesh_dim_names or ()):
+        return None
+    mesh = param.device_mesh
+    assert mesh.mesh_dim_names[-1] == "ep", mesh.mesh_dim_names
+    return mesh, param.shape[0] // mesh.size(-1)
+
+
+def _share(staging: str | None, group: dist.ProcessGroup | None) -> str:
+    """Rank 0's staging folder, on every rank of ``group`` (collective)."""
+    box = [staging]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def _make_staging_dir(path: str) -> str:
@@ -310,28 +352,46 @@ def _gather(
 
     Collective: every rank takes part in each DTensor's all-gather (a stacked parameter's once
     per file); ranks that do not write drop each full tensor at once instead of copying it.
+    A stacked parameter split over expert parallel is gathered over its other mesh dims only:
+    each ep rank gets its own experts, so no rank ever holds every expert (``_writer`` gives
+    each expert's keys to a rank that holds it).
     """
     gathered, stacks = {}, {}
     for key in keys:
         param, index = tensors[key]
-        if index is None or id(param) not in stacks:
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            if index is not None:
-                stacks[id(param)] = full
+        if index is None:
+            full, offset = (param.full_tensor() if hasattr(param, "full_tensor") else param), 0
+        elif id(param) in stacks:
+            full, offset = stacks[id(param)]
         else:
-            full = stacks[id(param)]
+            full, offset = stacks[id(param)] = _stack_block(param)
         if keep:
-            gathered[key] = (full if index is None else full[index]).detach().to(dtype).cpu().contiguous()
+            gathered[key] = (full if index is None else full[index - offset]).detach().to(dtype).cpu().contiguous()
     return gathered
 
 
+def _stack_block(param: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the experts of a stacked parameter this rank can see whole, the index of the first)."""
+    block = _expert_parallel_block(param)
+    if block is None:
+        return (param.full_tensor() if hasattr(param, "full_tensor") else param), 0
+    mesh, num_local = block
+    ep_only = [Shard(0) if name == "ep" else Replicate() for name in mesh.mesh_dim_names]
+    return param.redistribute(mesh, ep_only).to_local(), mesh.get_local_rank("ep") * num_local
+
+
 def _write_metadata(
-    staging: str, args, dtype: torch.dtype, total_bytes: int, shards: dict[str, list[str]], tokenizer_dir: str | None
+    staging: str,
+    args,
+    dtype: torch.dtype,
+    total_bytes: int,
+    shards: dict[str, tuple[int, list[str]]],
+    tokenizer_dir: str | None,
 ) -> None:
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": total_bytes},
-            "weight_map": {key: file_name for file_name, keys in shards.items() for key in keys},
+            "weight_map": {key: file_name for file_name, (_, keys) in shards.items() for key in keys},
         }
         _write_json(os.path.join(staging, INDEX_FILE), index)
     _write_json(os.path.join(staging, CONFIG_FILE), args.to_hf_config(str(dtype).removeprefix("torch.")))

@@ -5,16 +5,26 @@ On the layouts of ``MOE_LAYOUTS`` a tiny Qwen3-MoE (dense first layer, then MoE 
 load-balancing loss (pooled and summed over layers) with the z-loss, at a budget that gives
 several micro-batches per rank (and a filler micro-batch on some ranks), and an aux-only
 objective (the router losses' gradient must not scale with the CP / TP degree).
+Expert parallel (``EP_LAYOUTS``): a model with more experts runs the global and sequence
+scopes with the z-loss and a clipped AdamW step under each ep degree, recording what the
+dispatch saw so that the test can assert its premises (``DispatchSpy``).
 Rank 0 records gradients and logged numbers for test_moe_layout.py.
 """
 
 import dataclasses
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 
 import layout_cases as lc
 import lora_cases
+import torchtitan_rl.hf_checkpoint as hf_checkpoint
+from torchtitan_rl.checkpoint import _ModelState, _OptimizerState
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -50,6 +60,13 @@ MICROBATCH_CONFIG = RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="microbat
 LORA = "lora_global_pooled"
 LORA_SETTINGS = LoRASettings(rank=2, alpha=4.0, target_modules=("wq", "wo", "w1", "w2"))
 ROUTER_STD = 1.0  # HF's init std of 0.02 leaves top-k near-ties that float noise flips
+# Expert parallel: world layout -> the ep degrees run on it. dp 4 with ep 1, 2 (EP x FSDP) and
+# 4 (every rank its own experts); ep 2 over the tp pair (EP2 x TP2), over the cp pair
+# (EP2 x CP2), under HSDP, and over dp 2.
+EP_LAYOUTS = {(1, 4, 1, 1): (1, 2, 4), (1, 2, 1, 2): (2,), (1, 2, 2, 1): (2,), (2, 2, 1, 1): (2,), (1, 2, 1, 1): (2,)}
+EP_CASES = ("global_pooled", "sequence_pooled")
+EP_NUM_EXPERTS = 8
+EP_MAX_NORM = 0.05  # below the cases' gradient norm: the step clips
 
 
 def model_args() -> Qwen3ModelArgs:
@@ -64,6 +81,10 @@ def model_args() -> Qwen3ModelArgs:
     )
 
 
+def ep_model_args() -> Qwen3ModelArgs:
+    return dataclasses.replace(model_args(), num_experts=EP_NUM_EXPERTS)
+
+
 @torch.no_grad()
 def set_router_weights(model: torch.nn.Module) -> None:
     """Router weights drawn with std ROUTER_STD from a fixed seed, identical for every layout."""
@@ -74,12 +95,14 @@ def set_router_weights(model: torch.nn.Module) -> None:
             lc.set_full_(param, full)
 
 
-def case_key(layout: tuple, name: str) -> str:
-    return "moe/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{name}"
+def case_key(layout: tuple, name: str, ep: int | None = None) -> str:
+    return "moe/rep{}_shard{}_cp{}_tp{}".format(*layout) + ("" if ep is None else f"_ep{ep}") + f"/{name}"
 
 
 def run_moe_checks(dims: ParallelDims, results: dict) -> None:
     layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    run_expert_parallel_checks(layout, dims.world_size, results)
+    run_expert_parallel_checkpoint_checks(layout, dims.world_size, results)
     if layout not in MOE_LAYOUTS:
         return
     device = torch.device("cpu")
@@ -129,3 +152,228 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
             data_stats={},
         )
         results[case_key(layout, name)] = {"grads": grads, "logged": logged}
+
+
+class DispatchSpy:
+    """Counts, on this rank, what the expert-parallel dispatch of every MoE layer sees:
+    ``remote_pairs``: tokens whose top-k experts live on k different ranks, none of them this one;
+    ``idle_experts``: (dispatch, local expert) pairs that received no token from any rank;
+    ``silent``: dispatches in which this rank sent nothing to another rank."""
+
+    def __init__(self, model: torch.nn.Module, ep_mesh):
+        self.ep_rank, self.ep = ep_mesh.get_local_rank(), ep_mesh.size()
+        self.counts = torch.zeros(3)
+        self.handles = []
+        for block in model.layers.values():
+            if hasattr(block, "moe"):
+                self.handles.append(block.moe.router.register_forward_hook(self._routed))
+                # Before the dispatch hook (global counts) and after it (this rank's experts).
+                self.handles.append(block.moe.experts.register_forward_pre_hook(self._sending, prepend=True))
+                self.handles.append(block.moe.experts.register_forward_pre_hook(self._received))
+
+    def _routed(self, router, inputs, logits):
+        top = torch.softmax(logits.float(), -1).topk(router.top_k, -1).indices
+        owners = top // (logits.shape[-1] // self.ep)
+        distinct = (owners[:, :1] != owners[:, 1:]).all(-1) if router.top_k == 2 else torch.zeros_like(owners[:, 0])
+        self.counts[0] += ((owners != self.ep_rank).all(-1) & distinct.bool()).sum()
+
+    def _sending(self, experts, inputs):
+        per_rank = inputs[1].view(self.ep, -1).sum(1)
+        self.counts[2] += int(per_rank.sum() == per_rank[self.ep_rank])
+
+    def _received(self, experts, inputs):
+        self.counts[1] += (inputs[1] == 0).sum()
+
+    def totals(self) -> list[int]:
+        """The counts summed over every rank (collective)."""
+        for handle in self.handles:
+            handle.remove()
+        dist.all_reduce(self.counts)
+        return [int(c) for c in self.counts]
+
+
+def run_expert_parallel_checks(layout: tuple, world_size: int, results: dict) -> None:
+    device = torch.device("cpu")
+    rank = dist.get_rank()
+    for ep in EP_LAYOUTS.get(layout, ()):
+        dims = ParallelDims(*layout, world_size=world_size, ep=ep)
+        dims.build_meshes("cpu")
+        metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
+        share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
+        for name in EP_CASES:
+            model = build_model(
+                ep_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32
+            )
+            set_router_weights(model)
+            spy = DispatchSpy(model, dims.mesh("ep")) if ep > 1 else None
+            optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+            scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+            options = EngineOptions(
+                reduction="token_mean",
+                horizon=lc.HORIZON,
+                max_tokens_per_microbatch=BUDGET,
+                logits_chunk_size=16,
+                max_norm=EP_MAX_NORM,
+                router=ROUTER_CONFIGS[name],
+            )
+            engine = Engine(
+                model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+            )
+            samples = lc.global_batch("uneven")[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
+            fb = engine.forward_backward(samples)
+            grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
+            optim = engine.optim_step()
+            logged = metrics.log(
+                1,
+                fb=fb,
+                optim=optim,
+                window_tokens=fb.counts[0],
+                window_squared_lens=fb.counts[0],
+                window_seconds=1.0,
+                data_stats={},
+            )
+            entry = {
+                "grads": grads,
+                "logged": logged,
+                "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
+            }
+            if spy is not None:
+                entry["dispatch"] = spy.totals()
+            results[case_key(layout, name, ep)] = entry
+
+
+# Checkpoints under expert parallel, on dp 4: DCP resume across ep 1 <-> 2, and HF exports of
+# ep 1, 2 and 4 (loaded back into ep 2).
+EP_CHECKPOINT_LAYOUT = (1, 4, 1, 1)
+
+
+def _ep_model(dims: ParallelDims, seed: int):
+    model = build_model(
+        ep_model_args(), parallel_dims=dims, device=torch.device("cpu"), seed=seed, param_dtype=torch.float32
+    )
+    set_router_weights(model)
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    return model, optimizer
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    return {
+        f"{fqn}/{name}": lc.full(value)
+        for fqn, param in model.named_parameters()
+        for name, value in optimizer.state[param].items()
+        if name != "step"
+    }
+
+
+class ReadSpy:
+    """Records the HF keys (and expert index) whose values this rank reads from the files."""
+
+    def __init__(self):
+        self.reads = []
+        self.load_block = hf_checkpoint._load_block
+
+    def __enter__(self):
+        def load_block(param, handle, key, file, index=None):
+            spy = self
+
+            class Handle:
+                def get_slice(self, name):
+                    tensor_slice = handle.get_slice(name)
+
+                    class Slice:
+                        def get_shape(self):
+                            return tensor_slice.get_shape()
+
+                        def __getitem__(self, block):
+                            spy.reads.append((key, index))
+                            return tensor_slice[block]
+
+                    return Slice()
+
+            return spy.load_block(param, Handle(), key, file, index)
+
+        hf_checkpoint._load_block = load_block
+        return self
+
+    def __exit__(self, *exc):
+        hf_checkpoint._load_block = self.load_block
+
+
+def run_expert_parallel_checkpoint_checks(layout: tuple, world_size: int, results: dict) -> None:
+    if layout != EP_CHECKPOINT_LAYOUT:
+        return
+    rank = dist.get_rank()
+    box = [tempfile.mkdtemp(prefix="ep_checkpoints_") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    folder = box[0]
+    dims_of = {}
+    for ep in (1, 2, 4):
+        dims_of[ep] = ParallelDims(*layout, world_size=world_size, ep=ep)
+        dims_of[ep].build_meshes("cpu")
+    for ep in (1, 2):
+        dims = dims_of[ep]
+        model, optimizer = _ep_model(dims, lc.SEED)
+        scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+        options = EngineOptions(
+            reduction="token_mean",
+            horizon=lc.HORIZON,
+            max_tokens_per_microbatch=BUDGET,
+            logits_chunk_size=16,
+            max_norm=0.0,
+            router=ROUTER_CONFIGS["global_pooled"],
+        )
+        engine = Engine(
+            model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            parallel_dims=dims,
+            device=torch.device("cpu"),
+            options=options,
+        )
+        share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
+        engine.forward_backward(lc.global_batch("uneven")[dims.batch_rank() * share : (dims.batch_rank() + 1) * share])
+        engine.optim_step()
+        dcp.save(
+            {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)},
+            checkpoint_id=os.path.join(folder, f"dcp_ep{ep}"),
+        )
+        results[f"moe_ep_checkpoint/trained_ep{ep}"] = {
+            "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
+            "optimizer": _optimizer_state(model, optimizer),
+        }
+    for source, target in ((2, 1), (1, 2)):
+        model, optimizer = _ep_model(dims_of[target], lc.SEED + 1)
+        dcp.load(
+            {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)},
+            checkpoint_id=os.path.join(folder, f"dcp_ep{source}"),
+        )
+        results[f"moe_ep_checkpoint/ep{source}_onto_ep{target}"] = {
+            "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
+            "optimizer": _optimizer_state(model, optimizer),
+        }
+    # HF exports of the same (seeded) weights from every ep degree, then ep 1's read by ep 2.
+    exports = {}
+    for ep in (1, 2, 4):
+        model, _ = _ep_model(dims_of[ep], lc.SEED)
+        path = os.path.join(folder, f"hf_ep{ep}")
+        hf_checkpoint.save_hf_checkpoint(model, path, torch.float32)
+        if ep == 1:
+            results["moe_ep_checkpoint/hf_source"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
+        if rank == 0:
+            exports[ep] = {}
+            for file in sorted(os.listdir(path)):
+                if file.endswith(".safetensors"):
+                    with safe_open(os.path.join(path, file), framework="pt") as f:
+                        exports[ep].update({key: (file, f.get_tensor(key)) for key in f.keys()})
+    model, _ = _ep_model(dims_of[2], lc.SEED + 1)
+    with ReadSpy() as spy:
+        hf_checkpoint.load_hf_weights(model, os.path.join(folder, "hf_ep1"))
+    ep_mesh = dims_of[2].mesh("ep")
+    reads = [None] * world_size
+    dist.all_gather_object(reads, (ep_mesh.get_local_rank(), spy.reads))
+    loaded = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
+    if rank == 0:
+        results["moe_ep_checkpoint/hf"] = {"exports": exports, "loaded_into_ep2": loaded, "reads": reads}
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder)

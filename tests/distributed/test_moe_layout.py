@@ -23,8 +23,8 @@ from torchtitan_rl.models.qwen3.model import Qwen3Model
 RTOL = 1e-5
 
 
-def reference_model() -> Qwen3Model:
-    model = Qwen3Model(mc.model_args())
+def reference_model(args=None) -> Qwen3Model:
+    model = Qwen3Model(args or mc.model_args())
     model.init_weights(lc.SEED)
     mc.set_router_weights(model)
     return model
@@ -42,14 +42,14 @@ def balance(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: int, laye
 
 
 @functools.cache
-def reference(name: str):
+def reference(name: str, expert_parallel: bool = False):
     config = {mc.AUX_ONLY: mc.AUX_ONLY_CONFIG, mc.MICROBATCH: mc.MICROBATCH_CONFIG}.get(name) or mc.ROUTER_CONFIGS.get(
         name
     )
     if name == mc.LORA:
         config = mc.ROUTER_CONFIGS["global_pooled"]
     variant = "no_loss" if name == mc.AUX_ONLY else "uneven"
-    model = reference_model()
+    model = reference_model(mc.ep_model_args() if expert_parallel else None)
     forward, leaves = model, dict(model.named_parameters())
     if name == mc.LORA:
         forward, leaves = lora_forward(model)
@@ -105,8 +105,13 @@ def lora_forward(model):
     return (lambda *args: functional_call(model, weights, args)), leaves
 
 
-def moe_entries(results):
-    return {key: entry for world in results.values() for key, entry in world.items() if key.startswith("moe/")}
+def moe_entries(results, expert_parallel: bool = False):
+    return {
+        key: entry
+        for world in results.values()
+        for key, entry in world.items()
+        if key.startswith("moe/") and ("_ep" in key.split("/")[1]) == expert_parallel
+    }
 
 
 def test_every_moe_layout_and_case_was_run(layout_results):
@@ -114,6 +119,13 @@ def test_every_moe_layout_and_case_was_run(layout_results):
     expected = {mc.case_key(layout, name) for layout in mc.MOE_LAYOUTS for name in names}
     expected |= {mc.case_key(layout, mc.MICROBATCH) for layout in mc.MOE_LAYOUTS if layout[0] * layout[1] == 1}
     assert set(moe_entries(layout_results)) == expected
+    expected_ep = {
+        mc.case_key(layout, name, ep)
+        for layout, degrees in mc.EP_LAYOUTS.items()
+        for ep in degrees
+        for name in mc.EP_CASES
+    }
+    assert set(moe_entries(layout_results, expert_parallel=True)) == expected_ep
 
 
 def test_router_losses_and_gradients_equal_the_one_process_reference(layout_results):
@@ -154,3 +166,105 @@ def test_moe_cases_route_unevenly_and_split_into_several_microbatches(layout_res
     lengths = [len(s) for s in lc.global_batch("uneven")]
     assert len(greedy_plan(lengths, mc.BUDGET)) == 3
     assert [len(greedy_plan(lengths[:4], mc.BUDGET)), len(greedy_plan(lengths[4:], mc.BUDGET))] == [2, 1]
+
+
+# ---------------------------------------------------------------- expert parallel
+
+EP_RTOL = 1e-4
+
+
+@functools.cache
+def stepped_reference(name: str) -> dict[str, torch.Tensor]:
+    """The reference model after one AdamW step on the clipped reference gradient (the
+    worker's schedule has no warmup: the step runs at the full lr)."""
+    grads, *_ = reference(name, expert_parallel=True)
+    model = reference_model(mc.ep_model_args())
+    norm = grad_norm(grads)
+    assert norm > mc.EP_MAX_NORM, "the case must exercise clipping"
+    for fqn, p in model.named_parameters():
+        p.grad = grads[fqn] * (mc.EP_MAX_NORM / (norm + 1e-6))
+    torch.optim.AdamW(model.parameters(), lr=lc.LR, betas=(0.9, 0.95), eps=lc.ADAM_EPS, weight_decay=0.1).step()
+    return {fqn: p.detach() for fqn, p in model.named_parameters()}
+
+
+def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_reference(layout_results):
+    """EP 1, 2 and 4 on 4 ranks (EP x FSDP, EP alone), EP2 x TP2, EP2 x CP2, EP 2 under HSDP and
+    over dp 2; global and sequence load balancing with the z-loss, several micro-batches and a
+    filler: router and expert gradients, grad norm, loss, moe/aux_loss, moe/z_loss and the
+    clipped AdamW step equal the one-process reference with every expert on one rank."""
+    entries = moe_entries(layout_results, expert_parallel=True)
+    assert entries
+    for key, entry in entries.items():
+        name = key.split("/")[-1]
+        grads, token_loss, aux, z, _ = reference(name, expert_parallel=True)
+        assert set(entry["grads"]) == set(grads), key
+        for fqn, g in grads.items():
+            assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}", rtol=EP_RTOL)
+        logged = entry["logged"]
+        assert logged["grad_norm"] == pytest.approx(grad_norm(grads), rel=EP_RTOL), key
+        assert logged["loss_metrics/global_avg_loss"] == pytest.approx(token_loss, rel=EP_RTOL), key
+        assert logged["moe/aux_loss"] == pytest.approx(aux, rel=EP_RTOL), key
+        assert logged["moe/z_loss"] == pytest.approx(z, rel=EP_RTOL), key
+        for fqn, p in stepped_reference(name).items():
+            torch.testing.assert_close(entry["params"][fqn], p, rtol=EP_RTOL, atol=1e-6, msg=f"{key} {fqn}")
+
+
+def test_expert_parallel_data_covers_the_dispatch_edge_cases(layout_results):
+    """The premises, counted by the worker on every rank: a token whose two experts live on two
+    other ranks (ep 4), a local expert that receives no token in a dispatch, and a rank that
+    sends nothing to any other rank in a dispatch (a filler micro-batch's padding routed home)."""
+    entries = moe_entries(layout_results, expert_parallel=True)
+    dispatch = {key: entry["dispatch"] for key, entry in entries.items() if "dispatch" in entry}
+    assert dispatch
+    remote_pairs, idle_experts, silent = ({key: counts[i] for key, counts in dispatch.items()} for i in range(3))
+    assert remote_pairs[mc.case_key((1, 4, 1, 1), "global_pooled", 4)] > 0
+    assert max(idle_experts.values()) > 0
+    assert max(silent.values()) > 0
+
+
+def test_expert_parallel_checkpoint_resumes_onto_another_degree(layout_results):
+    """A DCP checkpoint saved under ep 2 resumes under ep 1 and the other way round (dp 4): the
+    stepped weights and both AdamW moments come back bitwise."""
+    entries = layout_results[4]
+    for source, target in ((2, 1), (1, 2)):
+        trained = entries[f"moe_ep_checkpoint/trained_ep{source}"]
+        loaded = entries[f"moe_ep_checkpoint/ep{source}_onto_ep{target}"]
+        for part in ("params", "optimizer"):
+            assert set(loaded[part]) == set(trained[part]) and trained[part], part
+            for key, value in trained[part].items():
+                assert torch.equal(loaded[part][key], value), f"ep {source} -> {target}: {part} {key}"
+
+
+def _expert_of(key: str) -> int | None:
+    return int(key.split(".experts.")[1].split(".")[0]) if ".experts." in key else None
+
+
+def test_expert_parallel_hf_export_equals_ep1_and_each_rank_reads_its_own_experts(layout_results):
+    """HF exports made under ep 2 and ep 4 (dp 4) hold ep 1's tensors bitwise; each expert's
+    owner writes it in a file of its own, so no rank gathers every expert. Loading ep 1's export
+    into an ep 2 model gives its weights back, each rank reading only the experts it holds."""
+    hf = layout_results[4]["moe_ep_checkpoint/hf"]
+    exports = hf["exports"]
+    num_local = mc.EP_NUM_EXPERTS // 2
+    for ep in (2, 4):
+        assert set(exports[ep]) == set(exports[1])
+        for key, (_, tensor) in exports[1].items():
+            assert torch.equal(exports[ep][key][1], tensor), f"ep {ep}: {key}"
+        owners_of_file = {}
+        for key, (file, _) in exports[ep].items():
+            expert = _expert_of(key)
+            owners_of_file.setdefault(file, set()).add(0 if expert is None else expert // (mc.EP_NUM_EXPERTS // ep))
+        assert all(len(owners) == 1 for owners in owners_of_file.values()), owners_of_file
+        assert {owner for owners in owners_of_file.values() for owner in owners} == set(range(ep))
+    assert len({file for file, _ in exports[1].values()}) == 1
+    source = layout_results[4]["moe_ep_checkpoint/hf_source"]
+    for fqn, value in source.items():
+        assert torch.equal(hf["loaded_into_ep2"][fqn], value), fqn
+    expert_reads = []
+    for ep_rank, reads in hf["reads"]:
+        for key, index in reads:
+            if index is not None:
+                assert index // num_local == ep_rank, f"ep rank {ep_rank} read expert {index} of {key}"
+                expert_reads.append((key, index))
+    expected = {(key, _expert_of(key)) for key in exports[1] if _expert_of(key) is not None}
+    assert sorted(expert_reads) == sorted(expected)  # each expert read once, by a rank holding it

@@ -129,8 +129,12 @@ def test_moe_settings():
         (["--moe.aux_loss_coef", "0.01"], ["moe.aux_loss_coef", "model.flavor='debugmodel' has no experts"]),
         (["--model.flavor", "8B", "--moe.z_loss_coef", "0.001"], ["moe.z_loss_coef", "has no experts"]),
         (
-            ["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"],
-            ["parallelism.expert_parallel_degree", "not supported yet"],
+            ["--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2"],
+            ["parallelism.expert_parallel_degree=2", "model.flavor='debugmodel' is dense", "needs a MoE model"],
+        ),
+        (
+            ["--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "3"],
+            ["parallelism.expert_parallel_degree=3 does not divide num_experts=8", "debugmodel_moe"],
         ),
         (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_scope", "batch"], ["moe.aux_loss_scope", "'global'"]),
         (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "-1"], ["moe.aux_loss_coef"]),

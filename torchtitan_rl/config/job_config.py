@@ -226,8 +226,12 @@ class Parallelism:
     """Context-parallel degree (each sequence split over this many ranks)."""
 
     expert_parallel_degree: int = bounded(1, ge=1)
-    """Expert parallel (MoE experts split over ranks). Not supported yet: experts are
-    FSDP-sharded over dp_shard x cp x tp; only 1 is accepted."""
+    """Expert parallel degree for MoE models: each group of this many ranks splits every MoE
+    layer's experts (num_experts / degree per rank) and sends each token to its experts' owner
+    with all-to-all. Carved out of the ranks of a data-parallel replica (dp_shard * cp * tp, which
+    it must divide, as it must num_experts): a group takes tp ranks first, then cp, then
+    dp_shard. The ranks holding the same experts FSDP-shard them. 1: no expert parallel, every
+    rank computes every expert, FSDP-sharded over dp_shard * cp * tp."""
 
     rollout_ranks: int = bounded(0, ge=0)
     """GRPO: reserve the last N ranks of the launch for generation (0 = colocated: every rank

@@ -99,14 +99,19 @@ def check_model_settings(cfg, model_args) -> None:
         _check_vision_model(cfg, model_args.spatial_merge_size, source)
     else:
         _check_no_vision_keys(cfg)
-    _check_moe(cfg, model_args.is_moe, source)
+    _check_moe(cfg, model_args, source)
 
 
-def _check_moe(cfg, is_moe: bool, source: str) -> None:
-    if cfg.parallelism.expert_parallel_degree != 1:
+def _check_moe(cfg, model_args, source: str) -> None:
+    is_moe = model_args.is_moe
+    ep = cfg.parallelism.expert_parallel_degree
+    if ep > 1 and not is_moe:
+        model = f"{source} describes a dense model" if source else f"model.flavor={cfg.model.flavor!r} is dense"
+        raise ValueError(f"parallelism.expert_parallel_degree={ep}: {model}; expert parallel needs a MoE model")
+    if ep > 1 and model_args.num_experts % ep != 0:
+        where = f" of {source}" if source else f" of model.flavor={cfg.model.flavor!r}"
         raise ValueError(
-            "parallelism.expert_parallel_degree: expert parallel is not supported yet (experts are FSDP-sharded "
-            "over dp_shard x cp x tp); set it to 1"
+            f"parallelism.expert_parallel_degree={ep} does not divide num_experts={model_args.num_experts}{where}"
         )
     unused = _non_default(cfg.moe)
     if unused and not is_moe:

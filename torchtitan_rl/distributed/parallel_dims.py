@@ -17,8 +17,8 @@ _FLATTENED = {
     "loss": ("dp_replicate", "dp_shard", "cp"),
     # The ranks of one DP replica: they hold the same samples (RL rollouts are shared among them).
     "cp_tp": ("cp", "tp"),
-    # MoE experts are FSDP-sharded over every rank of a replica; expert parallel will be carved
-    # out of this mesh.
+    # The ranks of a replica, each with its own tokens: MoE experts are FSDP-sharded over them,
+    # or split over their ``ep`` groups under expert parallel (see ``build_meshes``).
     "expert": ("dp_shard", "cp", "tp"),
     # Sums of per-token quantities whose tokens are spread over every rank (router counts).
     "world": ("dp_replicate", "dp_shard", "cp", "tp"),
@@ -36,6 +36,7 @@ class ParallelDims:
     tp: int
     world_size: int
     num_rollout_ranks: int = 0
+    ep: int = 1
     _meshes: dict[str, DeviceMesh | None] = field(default_factory=dict, init=False, repr=False)
     _trainer_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
@@ -43,6 +44,8 @@ class ParallelDims:
         self._validate()
 
     def _validate(self):
+        if self.ep < 1:
+            raise ValueError(f"parallelism.expert_parallel_degree must be >= 1, got {self.ep}")
         names = {
             "dp_replicate": "parallelism.data_parallel_replicate_degree",
             "dp_shard": "parallelism.data_parallel_shard_degree",
@@ -75,6 +78,13 @@ class ParallelDims:
                 f"* {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) = {others * self.dp_shard} "
                 f"does not equal {world}"
             )
+        replica = self.dp_shard * self.cp * self.tp
+        if replica % self.ep != 0:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree ({self.ep}) must divide the ranks of a data-parallel replica, "
+                f"{names['dp_shard']} ({self.dp_shard}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) "
+                f"= {replica}: expert parallel groups are carved out of them"
+            )
 
     @property
     def batch_degree(self) -> int:
@@ -84,6 +94,11 @@ class ParallelDims:
     @property
     def fsdp_degree(self) -> int:
         return self.dp_shard * self.cp
+
+    @property
+    def expert_fsdp_degree(self) -> int:
+        """How many ranks of a replica hold the same experts (and FSDP-shard them)."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
     @property
     def is_trainer(self) -> bool:
@@ -138,7 +153,29 @@ class ParallelDims:
             expert_dims = tuple(d for d in _FLATTENED["expert"] if sizes[d] > 1)
             expert_dim = "expert" if len(expert_dims) > 1 else (expert_dims or ("dp_shard",))[0]
             meshes["expert_hsdp"] = world[("dp_replicate", expert_dim)]
+        if self.ep > 1:
+            meshes.update(self._expert_parallel_meshes(device_type, world.mesh))
         self._meshes = meshes
+
+    def _expert_parallel_meshes(self, device_type: str, world_ranks: torch.Tensor) -> dict[str, DeviceMesh]:
+        """``ep``: groups of ``ep`` consecutive ranks of a replica (ranks ordered dp_shard, cp,
+        tp as in the world mesh, so an ep group takes the tp ranks first, then cp, then
+        dp_shard: the neighbours); ``expert_fsdp``: the mesh that shards each group's experts,
+        its ranks those of the other groups of every replica holding the same experts (2-D with
+        dp_replicate; kept even with one rank, so experts always have their own FSDP group).
+
+        A mesh of its own, not a sub-mesh of the world mesh: the ep groups cut across the
+        world's dims (ep 2 of tp 4), which its dims cannot express. FSDP2 builds the experts'
+        2-D (FSDP, ep) layout from two sub-meshes of this one.
+        """
+        shape = (self.dp_replicate, self.expert_fsdp_degree, self.ep)
+        names = ("dp_replicate", "efsdp", "ep")
+        ranks = world_ranks.reshape(shape)
+        if self.dp_replicate == 1:
+            ranks, shape, names = ranks[0], shape[1:], names[1:]
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        shard_dims = ("dp_replicate", "efsdp") if self.dp_replicate > 1 else "efsdp"
+        return {"ep": mesh["ep"], "expert_fsdp": mesh[shard_dims]}
 
     def mesh(self, name: str) -> DeviceMesh | None:
         """A named mesh, or ``None`` when that mesh has a single rank (nothing to communicate)."""
@@ -153,7 +190,10 @@ class ParallelDims:
 
     def expert_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards MoE experts over: every rank of a replica (dp_shard x cp x tp),
-        2-D with dp_replicate for HSDP."""
+        2-D with dp_replicate for HSDP; under expert parallel, the ranks holding the same
+        experts (``expert_fsdp``, possibly of one rank)."""
+        if self.ep > 1:
+            return self.mesh("expert_fsdp")
         if self.dp_replicate > 1:
             return self.mesh("expert_hsdp")
         return self.mesh("expert")

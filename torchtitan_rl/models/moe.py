@@ -145,24 +145,30 @@ class GroupedExperts(nn.Module):
         if x.dtype != self.w1.dtype:
             # The kernels would fail or cast; a silent cast (e.g. to bf16) would change the numbers.
             raise ValueError(f"expert input is {x.dtype} but the expert weights are {self.w1.dtype}")
+        # The block of the stack this rank holds (all of it without expert parallel); a
+        # sharded tensor type exposes it as ``to_local()``, duck-typed to keep this file free
+        # of parallelism imports.
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         if self.resolve_impl(x.dtype) == "grouped_mm":
-            return self._grouped_mm(x, tokens_per_expert)
-        return self._loop(x, tokens_per_expert)
+            return self._grouped_mm(x, tokens_per_expert, w1, w2, w3)
+        return self._loop(x, tokens_per_expert, w1, w2, w3)
 
-    def _grouped_mm(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _grouped_mm(x, tokens_per_expert, w1, w2, w3) -> torch.Tensor:
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        gate = torch._grouped_mm(x.contiguous(), self.w1.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(x.contiguous(), self.w3.transpose(-2, -1), offs=offsets)
+        gate = torch._grouped_mm(x.contiguous(), w1.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(x.contiguous(), w3.transpose(-2, -1), offs=offsets)
         hidden = F.silu(gate) * up
-        out = torch._grouped_mm(hidden, self.w2.transpose(-2, -1), offs=offsets)
+        out = torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
         return _DenseGrad.apply(out)
 
-    def _loop(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _loop(x, tokens_per_expert, w1, w2, w3) -> torch.Tensor:
         outputs = []
         # Every expert takes part, even with zero tokens, so its gradient is zero (not None).
         for expert, tokens in enumerate(x.split(tokens_per_expert.tolist())):
-            hidden = F.silu(F.linear(tokens, self.w1[expert])) * F.linear(tokens, self.w3[expert])
-            outputs.append(F.linear(hidden, self.w2[expert]))
+            hidden = F.silu(F.linear(tokens, w1[expert])) * F.linear(tokens, w3[expert])
+            outputs.append(F.linear(hidden, w2[expert]))
         return torch.cat(outputs)
 
 

@@ -57,6 +57,7 @@ def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
         tp=p.tensor_parallel_degree,
         world_size=world_size - p.rollout_ranks,
         num_rollout_ranks=p.rollout_ranks,
+        ep=p.expert_parallel_degree,
     )
 
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from torchtitan_rl.distributed.expert_parallel import ExpertParallel
 from torchtitan_rl.distributed.fsdp import apply_fsdp
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce
@@ -85,12 +86,18 @@ def parallelize_qwen3(
         for name, param in model.named_parameters():
             if name in frozen:
                 param.requires_grad_(False)
-    expert_mesh = parallel_dims.expert_mesh()
     blocks = list(model.layers.values())
     experts = [block.moe.experts for block in blocks if hasattr(block, "moe")]
+    ep_mesh = parallel_dims.mesh("ep")
+    if ep_mesh is not None:
+        check_expert_parallel_divisibility(model.args, ep_mesh.size())
+        for module in experts:
+            parallelize_module(module, ep_mesh, ExpertParallel())
+    expert_mesh = parallel_dims.expert_mesh()
     if expert_mesh is not None and experts:
         # Experts get their own FSDP groups over every rank of a replica (TP ranks included:
-        # experts are not tensor-parallel), before their blocks take the remaining parameters.
+        # experts are not tensor-parallel) or, under expert parallel, over the ranks that hold
+        # the same experts; before their blocks take the remaining parameters.
         # The last group of experts runs last only if it belongs to the last block.
         apply_fsdp(
             None,
@@ -110,6 +117,15 @@ def parallelize_qwen3(
             param_dtype,
             reduce_dtype,
             reshard_after_forward=reshard_after_forward,
+        )
+
+
+def check_expert_parallel_divisibility(args: Qwen3ModelArgs, ep: int) -> None:
+    if args.num_experts % ep != 0:
+        source = f" ({args.source})" if args.source else ""
+        raise ValueError(
+            f"parallelism.expert_parallel_degree ({ep}) must divide the number of experts "
+            f"num_experts = {args.num_experts}{source}"
         )
 
 
