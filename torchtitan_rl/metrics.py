@@ -36,6 +36,13 @@ def _peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in _PEAK_FLOPS.items() if key in name), None)
 
 
+def tokens_per_rank(counts: torch.Tensor, ep: int) -> torch.Tensor:
+    """Top-k assignments per expert ``[..., E]`` summed over the experts each ep rank owns
+    (``[..., ep]``, rank p owning the p-th run of E / ep experts): the tokens each rank of an
+    expert-parallel group computes, summed over the groups."""
+    return counts.unflatten(-1, (ep, -1)).sum(-1)
+
+
 class MetricsLogger:
     """Turns device-resident step results into logged numbers, on log steps only.
 
@@ -108,26 +115,38 @@ class MetricsLogger:
         imbalance = counts.max(-1).values / counts.mean(-1).clamp(min=1e-9)
         for layer, value in zip(router.layer_ids, imbalance.tolist()):
             values[f"moe/load_imbalance/layer_{layer}"] = value
+        if self.parallel_dims.ep > 1:
+            per_rank = tokens_per_rank(counts, self.parallel_dims.ep)
+            imbalance = per_rank.max(-1).values / per_rank.mean(-1).clamp(min=1e-9)
+            for layer, value in zip(router.layer_ids, imbalance.tolist()):
+                values[f"moe/rank_imbalance/layer_{layer}"] = value
         return values, counts
 
     def write_expert_histograms(self, step: int, layer_ids: tuple[int, ...], counts: torch.Tensor) -> None:
-        """TensorBoard histograms of the tokens each expert received, per MoE layer (rank 0)."""
+        """TensorBoard histograms of the tokens each expert received and, under expert
+        parallel, of the tokens each ep rank's experts received, per MoE layer (rank 0)."""
         if self.writer is None:
             return
         for layer, layer_counts in zip(layer_ids, counts.double().cpu()):
-            # One bucket per expert index holding its count: the histogram of expert choices.
-            experts = torch.arange(layer_counts.numel(), dtype=torch.float64)
-            self.writer.add_histogram_raw(
-                f"moe/tokens_per_expert/layer_{layer}",
-                min=0.0,
-                max=float(layer_counts.numel() - 1),
-                num=float(layer_counts.sum()),
-                sum=float((experts * layer_counts).sum()),
-                sum_squares=float((experts**2 * layer_counts).sum()),
-                bucket_limits=(experts + 0.5).tolist(),
-                bucket_counts=layer_counts.tolist(),
-                global_step=step,
-            )
+            self._write_count_histogram(f"moe/tokens_per_expert/layer_{layer}", layer_counts, step)
+            if self.parallel_dims.ep > 1:
+                per_rank = tokens_per_rank(layer_counts, self.parallel_dims.ep)
+                self._write_count_histogram(f"moe/tokens_per_rank/layer_{layer}", per_rank, step)
+
+    def _write_count_histogram(self, tag: str, counts: torch.Tensor, step: int) -> None:
+        # One bucket per index (expert or rank) holding its count.
+        index = torch.arange(counts.numel(), dtype=torch.float64)
+        self.writer.add_histogram_raw(
+            tag,
+            min=0.0,
+            max=float(counts.numel() - 1),
+            num=float(counts.sum()),
+            sum=float((index * counts).sum()),
+            sum_squares=float((index**2 * counts).sum()),
+            bucket_limits=(index + 0.5).tolist(),
+            bucket_counts=counts.tolist(),
+            global_step=step,
+        )
 
     def reduce_update(self, fb: ForwardBackwardMetrics, optim: dict, with_terms: bool = True) -> dict[str, float]:
         """The global values of one ``forward_backward`` + ``optim_step`` (collective; syncs the

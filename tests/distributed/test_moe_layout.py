@@ -207,6 +207,27 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
         assert logged["moe/z_loss"] == pytest.approx(z, rel=EP_RTOL), key
         for fqn, p in stepped_reference(name).items():
             torch.testing.assert_close(entry["params"][fqn], p, rtol=EP_RTOL, atol=1e-6, msg=f"{key} {fqn}")
+        ep = int(key.split("/")[1].split("_ep")[1])
+        per_rank = reference_counts().unflatten(-1, (ep, -1)).sum(-1)  # [L, ep]: by hand, not tokens_per_rank
+        expected = (per_rank.max(-1).values / per_rank.mean(-1)).tolist()
+        for layer, value in zip(mc.ep_model_args().moe_layers, expected):
+            tag = f"moe/rank_imbalance/layer_{layer}"
+            if ep == 1:
+                assert tag not in logged, key
+            else:
+                assert logged[tag] == pytest.approx(value, rel=1e-12), (key, tag)
+
+
+@functools.cache
+def reference_counts() -> torch.Tensor:
+    """Top-k assignments per MoE layer and expert ``[L, E]`` of the whole batch, every
+    sequence run alone on the EP cases' model."""
+    model = reference_model(mc.ep_model_args())
+    with torch.no_grad():
+        return sum(
+            model(s.input_ids, torch.arange(len(s)), torch.zeros(len(s), dtype=torch.long))[1].counts[:, 0]
+            for s in lc.global_batch("uneven")
+        )
 
 
 def test_expert_parallel_data_covers_the_dispatch_edge_cases(layout_results):

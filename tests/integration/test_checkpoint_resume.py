@@ -152,18 +152,21 @@ MOE_ARGS = [
     "0.001",
     "--parallelism.tensor_parallel_degree",
     "2",
+    "--parallelism.expert_parallel_degree",
+    "2",
 ]
 
 
 def test_moe_resume_on_same_layout_is_bit_identical(tmp_path):
-    """Stacked experts (FSDP-sharded over the expert mesh, beside TP-sharded dense weights: two
-    meshes, two optimizer parameter groups) and the router losses resume exactly."""
+    """Stacked experts split over expert parallel (ep 2 over the tp pair: each rank its own
+    experts, FSDP over one rank), beside TP-sharded dense weights: two meshes, two optimizer
+    parameter groups; the router losses and the ep ranks' load resume exactly."""
     uninterrupted_moe = tmp_path / "moe"
     check(run(uninterrupted_moe, 2, *MOE_ARGS))
     dump = stopped_after_step_3(uninterrupted_moe, tmp_path / "moe_resumed")
     assert "resuming after step 3" in check(run(dump, 2, *MOE_ARGS))
     full, resumed = read_scalars(str(uninterrupted_moe / "tb")), read_scalars(str(dump / "tb"))
-    for tag in (*EXACT_TAGS, "moe/aux_loss", "moe/z_loss", "moe/load_imbalance/layer_1"):
+    for tag in (*EXACT_TAGS, "moe/aux_loss", "moe/z_loss", "moe/load_imbalance/layer_1", "moe/rank_imbalance/layer_1"):
         assert [resumed[tag][s] for s in (4, 5, 6)] == [full[tag][s] for s in (4, 5, 6)], tag
 
 

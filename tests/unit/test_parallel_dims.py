@@ -189,3 +189,29 @@ def test_tensor_parallel_degree_must_divide_sharded_model_dims(tp, culprit):
     assert KEYS["tp"] in str(info.value) and culprit in str(info.value)
     check_tp_divisibility(qwen3_flavors["debugmodel"], 2)  # heads 4, kv 2, hidden 384, vocab 512
     check_tp_divisibility(qwen3_flavors["8B"], 8)
+
+
+# ---------------------------------------------------------------- expert parallel
+
+
+@pytest.mark.parametrize(
+    "dp_replicate, dp_shard, cp, tp, world_size, ep, expert_fsdp",
+    [(1, 4, 1, 1, 4, 2, 2), (1, 4, 1, 1, 4, 4, 1), (2, 2, 1, 1, 4, 2, 1), (1, 2, 2, 2, 8, 4, 2), (1, 1, 1, 2, 2, 2, 1)],
+)
+def test_expert_parallel_degree_divides_a_replica(dp_replicate, dp_shard, cp, tp, world_size, ep, expert_fsdp):
+    dims = ParallelDims(dp_replicate, dp_shard, cp, tp, world_size=world_size, ep=ep)
+    assert dims.expert_fsdp_degree == expert_fsdp
+    assert dims.expert_fsdp_degree * dims.ep == dims.dp_shard * dims.cp * dims.tp
+
+
+def test_expert_parallel_degree_not_dividing_a_replica():
+    # 4 ranks in 2 replicas of 2: ep 4 would span replicas, which hold other samples' copies.
+    message = error_of(2, 2, 1, 1, world_size=4, ep=4)
+    assert "parallelism.expert_parallel_degree (4)" in message and "= 2" in message
+    assert KEYS["dp_shard"] in message
+    message = error_of(1, 3, 1, 1, world_size=3, ep=2)
+    assert "parallelism.expert_parallel_degree (2)" in message and "= 3" in message
+
+
+def test_expert_parallel_degree_below_one():
+    assert "parallelism.expert_parallel_degree must be >= 1, got 0" in error_of(1, 1, 1, 1, world_size=1, ep=0)

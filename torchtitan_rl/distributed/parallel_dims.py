@@ -174,6 +174,9 @@ class ParallelDims:
         if self.dp_replicate == 1:
             ranks, shape, names = ranks[0], shape[1:], names[1:]
         mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
+        # Sums over all of it (the experts' share of the gradient norm) then take one
+        # collective instead of one per dim.
+        mesh._flatten("expert_all")
         shard_dims = ("dp_replicate", "efsdp") if self.dp_replicate > 1 else "efsdp"
         return {"ep": mesh["ep"], "expert_fsdp": mesh[shard_dims]}
 
