@@ -113,9 +113,6 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
     )
     set_router_weights(lora_model)
     lora_cases.set_adapters(lora_model)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
-    share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
     cases = [(name, config, "uneven", model) for name, config in ROUTER_CONFIGS.items()]
     cases.append((AUX_ONLY, AUX_ONLY_CONFIG, "no_loss", model))
     cases.append((LORA, ROUTER_CONFIGS["global_pooled"], "uneven", lora_model))
@@ -124,34 +121,56 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
         # 3 micro-batches on every layout without data parallel), whatever CP / TP split them.
         cases.append((MICROBATCH, MICROBATCH_CONFIG, "uneven", model))
     for name, config, variant, model in cases:
-        optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
-        scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
-        options = EngineOptions(
-            reduction="token_mean",
-            horizon=lc.HORIZON,
-            max_tokens_per_microbatch=BUDGET,
-            logits_chunk_size=16,
-            max_norm=0.0,
-            router=config,
-        )
-        engine = Engine(
-            model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
-        )
-        samples = lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
-        fb = engine.forward_backward(samples)
-        grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters() if p.requires_grad}
+        results[case_key(layout, name)] = run_case(model, dims, config, variant)
+
+
+def run_case(
+    model, dims: ParallelDims, config: RouterLossConfig, variant: str, max_norm: float | None = None, optimizer=None
+):
+    """One ``forward_backward`` of this rank's share of the batch ``variant``: the gradients
+    and logged values; with ``max_norm``, then a clipped AdamW step (of ``optimizer``, else a
+    new one) and the stepped weights."""
+    optimizer = optimizer or build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    options = EngineOptions(
+        reduction="token_mean",
+        horizon=lc.HORIZON,
+        max_tokens_per_microbatch=BUDGET,
+        logits_chunk_size=16,
+        max_norm=max_norm or 0.0,
+        router=config,
+    )
+    engine = Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        options=options,
+    )
+    share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
+    fb = engine.forward_backward(lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share])
+    grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters() if p.requires_grad}
+    if max_norm is None:
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
         model.zero_grad(set_to_none=True)
-        logged = metrics.log(
-            1,
-            fb=fb,
-            optim=optim,
-            window_tokens=fb.counts[0],
-            window_squared_lens=fb.counts[0],
-            window_seconds=1.0,
-            data_stats={},
-        )
-        results[case_key(layout, name)] = {"grads": grads, "logged": logged}
+    else:
+        optim = engine.optim_step()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    metrics = MetricsLogger(dims, torch.device("cpu"), rank, tb_folder=None, num_params=1, flops_per_token_context=1)
+    logged = metrics.log(
+        1,
+        fb=fb,
+        optim=optim,
+        window_tokens=fb.counts[0],
+        window_squared_lens=fb.counts[0],
+        window_seconds=1.0,
+        data_stats={},
+    )
+    entry = {"grads": grads, "logged": logged}
+    if max_norm is not None:
+        entry["params"] = {fqn: lc.full(p) for fqn, p in model.named_parameters()}
+    return entry
 
 
 class DispatchSpy:
@@ -193,50 +212,13 @@ class DispatchSpy:
 
 
 def run_expert_parallel_checks(layout: tuple, world_size: int, results: dict) -> None:
-    device = torch.device("cpu")
-    rank = dist.get_rank()
     for ep in EP_LAYOUTS.get(layout, ()):
         dims = ParallelDims(*layout, world_size=world_size, ep=ep)
         dims.build_meshes("cpu")
-        metrics = MetricsLogger(dims, device, rank, tb_folder=None, num_params=1, flops_per_token_context=1)
-        share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
         for name in EP_CASES:
-            model = build_model(
-                ep_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32
-            )
-            set_router_weights(model)
+            model, optimizer = _ep_model(dims, lc.SEED)
             spy = DispatchSpy(model, dims.mesh("ep")) if ep > 1 else None
-            optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
-            scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
-            options = EngineOptions(
-                reduction="token_mean",
-                horizon=lc.HORIZON,
-                max_tokens_per_microbatch=BUDGET,
-                logits_chunk_size=16,
-                max_norm=EP_MAX_NORM,
-                router=ROUTER_CONFIGS[name],
-            )
-            engine = Engine(
-                model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
-            )
-            samples = lc.global_batch("uneven")[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
-            fb = engine.forward_backward(samples)
-            grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters()}
-            optim = engine.optim_step()
-            logged = metrics.log(
-                1,
-                fb=fb,
-                optim=optim,
-                window_tokens=fb.counts[0],
-                window_squared_lens=fb.counts[0],
-                window_seconds=1.0,
-                data_stats={},
-            )
-            entry = {
-                "grads": grads,
-                "logged": logged,
-                "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
-            }
+            entry = run_case(model, dims, ROUTER_CONFIGS[name], "uneven", max_norm=EP_MAX_NORM, optimizer=optimizer)
             if spy is not None:
                 entry["dispatch"] = spy.totals()
             results[case_key(layout, name, ep)] = entry
@@ -313,26 +295,7 @@ def run_expert_parallel_checkpoint_checks(layout: tuple, world_size: int, result
     for ep in (1, 2):
         dims = dims_of[ep]
         model, optimizer = _ep_model(dims, lc.SEED)
-        scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
-        options = EngineOptions(
-            reduction="token_mean",
-            horizon=lc.HORIZON,
-            max_tokens_per_microbatch=BUDGET,
-            logits_chunk_size=16,
-            max_norm=0.0,
-            router=ROUTER_CONFIGS["global_pooled"],
-        )
-        engine = Engine(
-            model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            parallel_dims=dims,
-            device=torch.device("cpu"),
-            options=options,
-        )
-        share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
-        engine.forward_backward(lc.global_batch("uneven")[dims.batch_rank() * share : (dims.batch_rank() + 1) * share])
-        engine.optim_step()
+        run_case(model, dims, ROUTER_CONFIGS["global_pooled"], "uneven", max_norm=0.0, optimizer=optimizer)
         dcp.save(
             {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)},
             checkpoint_id=os.path.join(folder, f"dcp_ep{ep}"),

@@ -6,13 +6,15 @@ there are several; the rollout ranks load each version into their replica, split
 generation between them over their ``rollout`` mesh with version 0 loaded, and the first one
 sends the rollouts to both trainers. With LoRA (FSDP trainers) the first broadcast carries every
 parameter and the second, after the adapters moved, the adapters alone, which the rollout ranks
-merge. Every rank records what it holds for test_rollout_ranks.py.
+merge. A MoE model under expert parallel (its experts split over the two trainers) broadcasts
+whole experts. Every rank records what it holds for test_rollout_ranks.py.
 """
 
 import torch
 import torch.distributed as dist
 
 import layout_cases as lc
+import moe_cases
 from generator_cases import prompts
 from rl_cases import NUM_SAMPLES, PARAMS, SEED, STEP, gather_to_all, summary
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -51,6 +53,7 @@ def run_rollout_rank_checks(world_size: int, results: dict) -> None:
         for layout in ROLLOUT_LAYOUTS:
             run_layout(layout, results)
         run_lora(results)
+        run_expert_parallel(results)
     finally:
         rollout_ranks.BUCKET_BYTES = saved
 
@@ -125,3 +128,26 @@ def run_lora(results: dict) -> None:
         weights = {name: p.clone() for name, p in generator.model.named_parameters()}
         mine = {"role": "rollout", "bytes": received, "weights": weights, "version": generator.version}
     results["rollout_ranks/lora"] = gather_to_all(mine)
+
+
+def run_expert_parallel(results: dict) -> None:
+    """Trainers on dp 2 with ep 2 (each holds half the experts); one broadcast."""
+    dims = ParallelDims(1, 2, 1, 1, world_size=NUM_TRAINERS, num_rollout_ranks=NUM_ROLLOUT_RANKS, ep=2)
+    dims.build_meshes("cpu")
+    topology = build_rollout_topology(NUM_TRAINERS, NUM_ROLLOUT_RANKS, "cpu", 120)
+    args = moe_cases.ep_model_args()
+    cpu = torch.device("cpu")
+    if dims.is_trainer:
+        model = build_model(args, parallel_dims=dims, device=cpu, seed=lc.SEED, param_dtype=torch.float32)
+        local = model.layers["1"].moe.experts.w1.to_local()
+        sender = WeightSender(topology, torch.float32, cpu)
+        mine = {"role": "trainer", "ep_size": dims.mesh("ep").size(), "local_experts": local.shape[0]}
+        mine["bytes"] = sender.send(model, 0)
+        sender.wait()
+    else:
+        assert dims.mesh("ep") is None
+        generator = TorchGenerator(args, cpu, max_prompts_per_batch=1)
+        WeightReceiver(topology, generator, cpu).receive(0)
+        weights = {name: p.clone() for name, p in generator.model.named_parameters()}
+        mine = {"role": "rollout", "weights": weights}
+    results["rollout_ranks/expert_parallel"] = gather_to_all(mine)

@@ -3,12 +3,13 @@ rollout rank loads are exactly the trainers' full weights of each version, wheth
 shards them and however many buckets carry them; two rollout ranks split a step's generation
 and both end with the rollouts one process generates; both trainers receive them. With LoRA the
 second broadcast carries the adapters alone and the rollout ranks' replica is the merged
-model."""
+model. Trainers under expert parallel send every expert."""
 
 import pytest
 import torch
 
 import layout_cases as lc
+import moe_cases as mc
 import rollout_rank_cases as cases
 from test_rollout_exchange import single_process_rollouts
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -99,3 +100,22 @@ def test_rollout_ranks_merge_the_adapters_the_second_broadcast_carries_alone(lay
         for name, value in expected.items():
             assert torch.equal(rank["weights"][name], value), name
         assert rank["version"] == 1
+
+
+def test_rollout_ranks_get_every_expert_from_expert_parallel_trainers(layout_results):
+    """Each trainer holds 2 of the 4 experts of a layer (FSDP over a single rank, so whole);
+    the rollout ranks' replicas hold every expert as the one-process model does."""
+    ranks = layout_results[4]["rollout_ranks/expert_parallel"]
+    assert [r["role"] for r in ranks] == ["trainer", "trainer", "rollout", "rollout"]
+    assert [(r["ep_size"], r["local_experts"]) for r in ranks[:2]] == [(2, mc.EP_NUM_EXPERTS // 2)] * 2
+    reference = expert_parallel_reference_weights()
+    for rank in ranks[2:]:
+        assert rank["weights"].keys() == reference.keys()
+        for name, value in reference.items():
+            assert torch.equal(rank["weights"][name], value), name
+
+
+def expert_parallel_reference_weights() -> dict:
+    model = Qwen3Model(mc.ep_model_args())
+    model.init_weights(lc.SEED)
+    return {name: p.detach() for name, p in model.named_parameters()}

@@ -154,10 +154,10 @@ class ParallelDims:
             expert_dim = "expert" if len(expert_dims) > 1 else (expert_dims or ("dp_shard",))[0]
             meshes["expert_hsdp"] = world[("dp_replicate", expert_dim)]
         if self.ep > 1:
-            meshes.update(self._expert_parallel_meshes(device_type, world.mesh))
+            meshes.update(self._expert_parallel_meshes(device_type))
         self._meshes = meshes
 
-    def _expert_parallel_meshes(self, device_type: str, world_ranks: torch.Tensor) -> dict[str, DeviceMesh]:
+    def _expert_parallel_meshes(self, device_type: str) -> dict[str, DeviceMesh]:
         """``ep``: groups of ``ep`` consecutive ranks of a replica (ranks ordered dp_shard, cp,
         tp as in the world mesh, so an ep group takes the tp ranks first, then cp, then
         dp_shard: the neighbours); ``expert_fsdp``: the mesh that shards each group's experts,
@@ -170,13 +170,16 @@ class ParallelDims:
         """
         shape = (self.dp_replicate, self.expert_fsdp_degree, self.ep)
         names = ("dp_replicate", "efsdp", "ep")
-        ranks = world_ranks.reshape(shape)
+        # The training ranks in the world mesh's order (they are a prefix of the launch).
+        ranks = torch.arange(self.world_size).reshape(shape)
         if self.dp_replicate == 1:
             ranks, shape, names = ranks[0], shape[1:], names[1:]
         mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
         # Sums over all of it (the experts' share of the gradient norm) then take one
         # collective instead of one per dim.
         mesh._flatten("expert_all")
+        if not self.is_trainer:
+            return {}  # a rollout rank took part in creating the groups; it holds no coordinate
         shard_dims = ("dp_replicate", "efsdp") if self.dp_replicate > 1 else "efsdp"
         return {"ep": mesh["ep"], "expert_fsdp": mesh[shard_dims]}
 
