@@ -100,8 +100,10 @@ def save_hf_checkpoint(
     """Export ``model`` as an HF directory at ``path`` (which must not exist): a
     ``Qwen3ForCausalLM``, or a ``Mistral3ForConditionalGeneration`` for the VLM.
 
-    Collective: every rank of ``group`` (default: the launch) calls it; parameters are gathered one shard file at a time and global
-    rank 0 writes, so it holds at most one file's worth of tensors. Weights are cast to
+    Collective: every rank of ``group`` (default: the launch) calls it; parameters are gathered
+    one shard file at a time and global rank 0 writes, so it holds at most one file's worth of
+    tensors (under expert parallel, each expert's owner writes its experts' files: see
+    ``_writer``). Weights are cast to
     ``dtype``, written as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
     with ``model.safetensors.index.json``, next to ``config.json`` and the tokenizer files of
     ``tokenizer_dir``. Everything is written into a hidden folder beside ``path`` and renamed at

@@ -8,7 +8,8 @@ holds. ``ExpertParallel`` shards that stack over ``ep`` (``Shard(0)``: rank ``p`
 ``[p E/ep, (p+1) E/ep)``) and wraps the module's call:
 
 * dispatch: the per-expert counts are exchanged first (the receivers need them to size their
-  buffers), then the tokens, with an autograd-aware ``all_to_all_single``; the received rows
+  buffers), then the tokens, with an ``all_to_all_single`` whose backward sends the gradient
+  back; the received rows
   come grouped by sender, and are re-sorted by local expert (senders in rank order within an
   expert) for the grouped kernel;
 * combine: the outputs are put back in the received order and sent home with the reverse
@@ -21,7 +22,7 @@ over the groups.
 """
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -48,10 +49,11 @@ class ExpertParallel(ParallelStyle):
         num_ranks = mesh.size()
         # [destination rank, its local expert] -> [source rank, my local expert].
         sent = tokens_per_expert.view(num_ranks, -1)
-        received = _wait(funcol.all_to_all_single(sent.flatten(), None, None, mesh)).view_as(sent)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent.contiguous(), group=mesh.get_group())
         input_splits = sent.sum(1).tolist()
         output_splits = received.sum(1).tolist()
-        rows = _wait(funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, mesh))
+        rows = _AllToAll.apply(x, output_splits, input_splits, mesh.get_group())
         # Rows arrive grouped by source rank, each group sorted by local expert; the kernel
         # wants them grouped by local expert (a stable sort keeps the sources in rank order).
         num_local = sent.shape[1]
@@ -66,7 +68,7 @@ class ExpertParallel(ParallelStyle):
         order, input_splits, output_splits = self._layout
         self._layout = None
         rows = out.new_empty(out.shape).index_copy(0, order, out)
-        return _wait(funcol.all_to_all_single_autograd(rows, input_splits, output_splits, mesh))
+        return _AllToAll.apply(rows, input_splits, output_splits, mesh.get_group())
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -75,5 +77,23 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(param_name, sharded)
 
 
-def _wait(tensor: torch.Tensor) -> torch.Tensor:
-    return funcol.wait_tensor(tensor) if isinstance(tensor, funcol.AsyncCollectiveTensor) else tensor
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of the rows of ``x`` with uneven splits; backward sends the
+    gradient back along the same routes. Plain c10d: a gloo group whose last collective was a
+    functional one was seen to outlive ``destroy_process_group``."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.routes = (input_splits, output_splits, group)
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        input_splits, output_splits, group = ctx.routes
+        return _all_to_all(grad, input_splits, output_splits, group), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
