@@ -553,7 +553,7 @@ def test_activation_checkpointing_recomputes_blocks_and_leaves_every_gradient_un
 @pytest.mark.parametrize("layout", layout_worker.COMPILE_LAYOUTS)
 def test_compiled_blocks_leave_every_gradient_unchanged(results, layout):
     """Compiled blocks (dynamo + AOT autograd) under FSDP (dp 2), TP (tp 2, where the first
-    block's input is an asynchronous collective's result), CP (cp 2) and dp 2 x tp 2: the
+    block's input is an asynchronous collective's result) and CP (cp 2): the
     gradients of the same step without compile, within 1e-5, over micro-batches of several
     lengths."""
     name = "rep{}_shard{}_cp{}_tp{}".format(*layout)
