@@ -251,6 +251,19 @@ def _ep_model(dims: ParallelDims, seed: int):
     return model, optimizer
 
 
+def _training_state(model, optimizer) -> dict:
+    """What a training checkpoint holds, through the checkpoint module's own stateful wrappers."""
+    return {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)}
+
+
+def _snapshot(model, optimizer) -> dict:
+    """The whole weights and AdamW moments, gathered."""
+    return {
+        "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
+        "optimizer": _optimizer_state(model, optimizer),
+    }
+
+
 def _optimizer_state(model, optimizer) -> dict:
     return {
         f"{fqn}/{name}": lc.full(value)
@@ -309,24 +322,12 @@ def run_expert_parallel_checkpoint_checks(layout: tuple, world_size: int, result
         dims = dims_of[ep]
         model, optimizer = _ep_model(dims, lc.SEED)
         run_case(model, dims, ROUTER_CONFIGS["global_pooled"], "uneven", max_norm=0.0, optimizer=optimizer)
-        dcp.save(
-            {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)},
-            checkpoint_id=os.path.join(folder, f"dcp_ep{ep}"),
-        )
-        results[f"moe_ep_checkpoint/trained_ep{ep}"] = {
-            "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
-            "optimizer": _optimizer_state(model, optimizer),
-        }
+        dcp.save(_training_state(model, optimizer), checkpoint_id=os.path.join(folder, f"dcp_ep{ep}"))
+        results[f"moe_ep_checkpoint/trained_ep{ep}"] = _snapshot(model, optimizer)
     for source, target in ((2, 1), (1, 2)):
         model, optimizer = _ep_model(dims_of[target], lc.SEED + 1)
-        dcp.load(
-            {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)},
-            checkpoint_id=os.path.join(folder, f"dcp_ep{source}"),
-        )
-        results[f"moe_ep_checkpoint/ep{source}_onto_ep{target}"] = {
-            "params": {fqn: lc.full(p) for fqn, p in model.named_parameters()},
-            "optimizer": _optimizer_state(model, optimizer),
-        }
+        dcp.load(_training_state(model, optimizer), checkpoint_id=os.path.join(folder, f"dcp_ep{source}"))
+        results[f"moe_ep_checkpoint/ep{source}_onto_ep{target}"] = _snapshot(model, optimizer)
     # HF exports of the same (seeded) weights from every ep degree, then ep 1's read by ep 2.
     exports = {}
     for ep in (1, 2, 4):
