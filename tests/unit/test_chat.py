@@ -5,6 +5,7 @@ from torchtitan_rl.data.chat import (
     insert_placeholders,
     render_chat,
     tokenize_prompt,
+    tokenize_prompt_row,
     tokenize_row,
     tokenize_row_with_images,
 )
@@ -297,5 +298,33 @@ def test_text_paths_refuse_images():
         tokenize_row(IMAGE_ROW, ByteTokenizer())
     with pytest.raises(ValueError, match="string 'content'"):
         render_chat(IMAGE_ROW["messages"])
-    with pytest.raises(ValueError, match="string 'content'"):
+    with pytest.raises(ValueError, match="has 2 image.*tokenize_prompt_row"):
         tokenize_prompt(IMAGE_ROW["messages"][:2], ByteTokenizer())
+
+
+def test_prompt_row_with_images_is_the_row_prefix_before_the_assistant_content(tokenizer):
+    prompt_messages = IMAGE_ROW["messages"][:2]
+    prompt = tokenize_prompt_row(tuple(prompt_messages), tokenizer)
+    row = tokenize_row_with_images(IMAGE_ROW, tokenizer)
+    assert row.tokens[: len(prompt.tokens)] == prompt.tokens and row.target_mask.index(True) == len(prompt.tokens)
+    assert [(i.source, i.position, i.where) for i in prompt.images] == [
+        (i.source, i.position, i.where) for i in row.images
+    ]
+    assert prompt.target_mask == [False] * len(prompt.tokens)
+    text_only = [{**m, "content": MARKED_TEXT} if m["role"] == "user" else m for m in prompt_messages]
+    assert text_with_markers(prompt.tokens, prompt.images, tokenizer) == render_chat(text_only) + (
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_prompt_row_of_text_is_tokenize_prompt():
+    tokenizer = ByteTokenizer()
+    prompt = tokenize_prompt_row(CONVERSATION[:2], tokenizer)
+    assert prompt.tokens == tokenize_prompt(CONVERSATION[:2], tokenizer) and prompt.images == []
+    # Text parts alone are a text prompt too.
+    parts = [{"role": "user", "content": [{"type": "text", "text": CONVERSATION[1]["content"]}]}]
+    assert tokenize_prompt(parts, tokenizer) == tokenize_prompt(CONVERSATION[1:2], tokenizer)
+    with pytest.raises(ValueError, match="must not contain an 'assistant' turn"):
+        tokenize_prompt_row(IMAGE_ROW["messages"], tokenizer)
+    with pytest.raises(ValueError, match="an image part needs an 'image'"):
+        tokenize_prompt_row([{"role": "user", "content": [{"type": "image"}]}], tokenizer)

@@ -1,13 +1,17 @@
 import functools
 import json
 import operator
+import random
 import re
 
+import numpy as np
 import pytest
 
-from torchtitan_rl.data.chat import tokenize_prompt, tokenize_row
+from test_vision_loader import count_components, pixels_of, shape_colours
+from torchtitan_rl.data import shapes as shapes_task
+from torchtitan_rl.data.chat import tokenize_prompt, tokenize_prompt_row, tokenize_row, tokenize_row_with_images
 from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS
-from torchtitan_rl.data.tasks import BUILTIN_TASKS, IMAGE_TASKS
+from torchtitan_rl.data.tasks import BUILTIN_TASKS
 from torchtitan_rl.data.tokenizer import ByteTokenizer
 from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, answered_rows, build_task
 
@@ -168,6 +172,105 @@ def test_sft_rows_tokenize_with_the_rl_prompt_as_prefix():
     assert prompt_of(task.train_problems[0]) != "edited"
 
 
+# ---------------------------------------------------------------- the shapes task (prompts with images)
+
+SHAPE_QUESTIONS = {q: k for k, q in shapes_task.QUESTIONS.items()}
+
+
+def large_shape_of(mask: np.ndarray) -> str:
+    """The kind of the one large shape of ``mask``, from the share of its bounding box it fills:
+    1 (square), pi/4 (circle) or 1/2 (triangle)."""
+    ys, xs = mask.nonzero()
+    height, width = ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+    assert height == width >= 0.7 * min(mask.shape), "a large shape fills a square box"
+    fill = mask.sum() / (height * width)
+    # Pixel-exact drawings of every size 8..192 fill 1, 0.75..0.82 and 0.50..0.57 of their box.
+    for kind, low, high in (("square", 0.97, 1.0), ("circle", 0.7, 0.87), ("triangle", 0.45, 0.62)):
+        if low <= fill <= high:
+            return kind
+    raise AssertionError(f"a fill of {fill:.3f} is no shape")
+
+
+def check_shapes_problem(problem: Problem) -> str:
+    """Recomputes the problem's answer from its image's pixels; returns the question kind."""
+    (message,) = problem.messages
+    image, question = message["content"]
+    assert message["role"] == "user" and image["type"] == "image" and question["type"] == "text"
+    kind = SHAPE_QUESTIONS[question["text"]]
+    pixels = pixels_of(image["image"])
+    mask = (pixels != shapes_task.BACKGROUND).any(-1)
+    if kind == "count":
+        assert problem.answer == str(count_components(mask))
+    else:
+        (colour,) = shape_colours(pixels)
+        assert problem.answer == (colour if kind == "colour" else large_shape_of(mask))
+    return kind
+
+
+def test_shapes_pools_are_deterministic_disjoint_and_in_the_rl_mix():
+    task = build_task("shapes", num_train=300, num_eval=60, seed=5)
+    assert task == build_task("shapes", num_train=300, num_eval=60, seed=5)
+    # Row i depends on (seed, split, i) alone: a smaller pool is a prefix of a larger one.
+    assert task.train_problems[:50] == build_task("shapes", num_train=50, num_eval=0, seed=5).train_problems
+    assert task.train_problems[0] != build_task("shapes", num_train=1, num_eval=0, seed=6).train_problems[0]
+    assert [p.source for p in task.eval_problems[:2]] == ["shapes eval #0", "shapes eval #1"]
+    train_keys, eval_keys = [p.prompt_key() for p in task.train_problems], [p.prompt_key() for p in task.eval_problems]
+    assert (len(set(train_keys)), len(set(eval_keys))) == (300, 60) and not set(train_keys) & set(eval_keys)
+    kinds = [check_shapes_problem(p) for p in task.train_problems + task.eval_problems]
+    for kind, share in shapes_task.RL_QUESTION_MIX:
+        assert abs(kinds.count(kind) / len(kinds) - share) < 0.07, (kind, kinds.count(kind))
+    answers = {p.answer for p in task.train_problems}
+    assert answers == {*shapes_task.COLOURS, *shapes_task.SHAPE_KINDS, "1", "2", "3"}
+
+
+def test_shapes_problems_are_the_sft_rows_without_the_answer():
+    rng = random.Random("shapes-rl/train/9/0")
+    (problem,) = build_task("shapes", num_train=1, num_eval=0, seed=9).train_problems
+    assert answered_rows([problem]) == [shapes_task.draw_rl_row(rng)]
+    (user,) = problem.messages
+    assert [sorted(part) for part in user["content"]] == [["image", "type"], ["text", "type"]]
+    png = user["content"][0]["image"]
+    assert png.startswith(b"\x89PNG") and len(png) < 4096
+
+
+def test_shapes_warmup_rows_are_sft_vision_rows_with_the_rl_prompt_as_prefix():
+    task = build_task("shapes", num_train=40, num_eval=10, seed=0)
+    # What the GRPO warm-up does: other problems of the task, none of them a pool's prompt.
+    extra = build_task("shapes", num_train=30, num_eval=0, seed=1).train_problems
+    taken = {p.prompt_key() for p in (*task.train_problems, *task.eval_problems)}
+    kept = [p for p in extra if p.prompt_key() not in taken]
+    assert len(kept) == 30
+    rows = answered_rows(kept)
+    for row, problem in zip(rows, kept):
+        tokenized = tokenize_row_with_images(row, TOKENIZER)
+        prompt = tokenize_prompt_row(problem.messages, TOKENIZER)
+        assert tokenized.tokens[: len(prompt.tokens)] == prompt.tokens and tokenized.target_mask.index(True) == len(
+            prompt.tokens
+        )
+        assert [(i.source, i.position) for i in tokenized.images] == [(i.source, i.position) for i in prompt.images]
+        assert [i.source for i in prompt.images] == [problem.messages[0]["content"][0]["image"]]
+        trained = [t for t, m in zip(tokenized.tokens, tokenized.target_mask) if m]
+        assert TOKENIZER.decode(trained) == problem.answer + "<|im_end|>"
+    rows[0]["messages"][0]["content"][0]["image"] = b"edited"
+    assert kept[0].messages[0]["content"][0]["image"] != b"edited"
+
+
+def test_prompt_keys_of_image_parts():
+    def problem(*parts):
+        return Problem(({"role": "user", "content": list(parts)},), "a", "test")
+
+    text = {"type": "text", "text": "Which?"}
+    same = problem({"type": "image", "image": b"png 1"}, text)
+    assert same.prompt_key() == problem({"type": "image", "image": b"png 1"}, dict(text)).prompt_key()
+    assert same.prompt_key() != problem({"type": "image", "image": b"png 2"}, text).prompt_key()
+    assert same.prompt_key() != problem(text, {"type": "image", "image": b"png 1"}).prompt_key()
+    # The two spellings of a path part are one prompt.
+    by_path = problem({"type": "image", "path": "/d/a.png"}, text).prompt_key()
+    assert by_path == problem({"type": "image", "image": "/d/a.png"}, text).prompt_key()
+    assert by_path != problem({"type": "image", "image": "/d/b.png"}, text).prompt_key()
+    assert len({by_path, same.prompt_key(), same.prompt_key()}) == 2
+
+
 # ---------------------------------------------------------------- jsonl
 
 
@@ -284,6 +387,100 @@ def test_jsonl_numeric_match_needs_numeric_answers(tmp_path):
         build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0, answer_match="numeric")
 
 
+# ---------------------------------------------------------------- jsonl rows with images
+
+
+def image_rows_file(tmp_path):
+    """Rows asking the same question about the same images as content parts and as markers, and
+    a prompt with a marker; in a subdirectory, so paths relative to the file are not relative to ``tmp_path``."""
+    (tmp_path / "sub").mkdir()
+    parts = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image", "image": "img/a.png"},
+        {"type": "text", "text": " with "},
+        {"type": "image", "path": "/abs/b.png"},
+    ]
+    system = {"role": "system", "content": "Look."}
+    rows = [
+        {"messages": [system, {"role": "user", "content": parts}], "answer": "same"},
+        {
+            "messages": [system, {"role": "user", "content": "Compare <image> with <image>"}],
+            "images": ["img/a.png", "/abs/b.png"],
+            "answer": "same",
+        },
+        {"prompt": "<image>Which colour?", "images": ["c.png"], "answer": "red"},
+    ]
+    return write_lines(tmp_path / "sub" / "rows.jsonl", [json.dumps(row) for row in rows])
+
+
+def test_jsonl_image_rows_become_parts_with_paths_resolved_against_the_file(tmp_path):
+    file = image_rows_file(tmp_path)
+    task = build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0)
+    folder = str(tmp_path / "sub")
+    user = {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Compare "},
+            {"type": "image", "image": f"{folder}/img/a.png"},
+            {"type": "text", "text": " with "},
+            {"type": "image", "image": "/abs/b.png"},
+        ],
+    }
+    by_parts, by_markers, prompt = task.train_problems
+    assert by_parts == Problem(({"role": "system", "content": "Look."}, user), "same", f"{file}:1")
+    assert by_markers.messages == by_parts.messages and by_markers.prompt_key() == by_parts.prompt_key()
+    assert prompt.messages == (
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": f"{folder}/c.png"}, {"type": "text", "text": "Which colour?"}],
+        },
+    )
+    # The prompt an RL rollout starts from is the SFT tokenization of the row as written in the file.
+    raw = json.loads(file.read_text().splitlines()[1])
+    sft = tokenize_row_with_images(
+        {**raw, "messages": raw["messages"] + [{"role": "assistant", "content": "x"}]}, TOKENIZER, base_dir=folder
+    )
+    rl = tokenize_prompt_row(by_markers.messages, TOKENIZER)
+    assert sft.tokens[: len(rl.tokens)] == rl.tokens and sft.target_mask.index(True) == len(rl.tokens)
+    assert [(i.source, i.position) for i in sft.images] == [(i.source, i.position) for i in rl.images]
+    assert len(rl.images) == 2
+
+
+def user_parts(*parts) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": list(parts)}], "answer": "a"})
+
+
+@pytest.mark.parametrize(
+    "bad_line, reason",
+    [
+        (user_parts({"type": "image", "image": 3}), "message 0 part 0: an image must be a path string, got 3"),
+        (user_parts({"type": "image", "image": ""}), "an image must be a path string"),
+        (user_parts({"type": "image", "url": "x.png"}), "an image part needs an 'image'"),
+        (user_parts({"type": "video", "video": "x.mp4"}), "message 0: every content part"),
+        (user_parts({"type": "text", "text": None}), "a text part needs a string 'text'"),
+        (
+            '{"prompt": "<image> and <image>?", "images": ["a.png"], "answer": "a"}',
+            "has 2 '<image>' markers but its 'images' list has 1",
+        ),
+        (
+            '{"prompt": "no marker", "images": ["a.png"], "answer": "a"}',
+            "has 0 '<image>' markers but its 'images' list has 1",
+        ),
+        ('{"prompt": "<image>", "images": "a.png", "answer": "a"}', "'images' must be a list"),
+        ('{"prompt": "<image>", "images": [null], "answer": "a"}', "'images'[0] must be an image path"),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], "images": ["b.png"], "answer": "a"}',
+            "both a top-level 'images' list and content parts",
+        ),
+    ],
+)
+def test_jsonl_bad_image_row_names_file_and_line(tmp_path, bad_line, reason):
+    file = write_lines(tmp_path / "bad.jsonl", [GOOD, bad_line])
+    with pytest.raises(ValueError) as excinfo:
+        build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0)
+    assert f"{file}:2" in str(excinfo.value) and reason in str(excinfo.value)
+
+
 @pytest.mark.parametrize(
     "setup, options, match",
     [
@@ -330,7 +527,7 @@ def assert_names_config_keys(message: str) -> None:
             "sudoku",
             {},
             r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'calculator', 'guess_number', 'jsonl', "
-            r"'reverse'\]",
+            r"'reverse', 'shapes'\]",
         ),
         ("arithmetic", {"path": "data.jsonl"}, "rl.task_path='data.jsonl'"),
         ("reverse", {"answer_match": "numeric"}, "rl.answer_match: .* must be 'exact'"),
@@ -346,7 +543,7 @@ def test_unused_or_invalid_options_are_rejected(name, options, match):
 
 
 def test_registry_names():
-    assert sorted(TASKS) == ["arithmetic", "calculator", "guess_number", "jsonl", "reverse"]
-    # Every text SFT task is an RL task; image tasks are SFT-only (the generator has no vision input);
-    # the environments' problems are RL-only (their answers take several turns).
-    assert set(TASKS) - {"jsonl", *ENV_QUESTION_GENERATORS} == set(BUILTIN_TASKS) - set(IMAGE_TASKS)
+    assert sorted(TASKS) == ["arithmetic", "calculator", "guess_number", "jsonl", "reverse", "shapes"]
+    # Every SFT task is an RL task (the image ones with a question mix of their own); the
+    # environments' problems are RL-only (their answers take several turns).
+    assert set(TASKS) - {"jsonl", *ENV_QUESTION_GENERATORS} == set(BUILTIN_TASKS)

@@ -3,7 +3,8 @@
 Chat rows use Qwen's ChatML template ``<|im_start|>{role}\\n{content}<|im_end|>\\n``. Each
 message is tokenized on its own (header, content, footer) so the assistant-only loss mask
 falls exactly on token boundaries, whatever the tokenizer would merge across them.
-``tokenize_prompt`` gives the prefix an RL rollout generates from, built from the same pieces.
+``tokenize_prompt`` (``tokenize_prompt_row`` for prompts with images) gives the prefix an RL
+rollout generates from, built from the same pieces.
 
 Rows may carry images (``tokenize_row_with_images``), either as content parts
 ``{"type": "image", "image": ...}`` of a message, or as ``<image>`` markers in the text with a
@@ -58,20 +59,21 @@ def _part_problem(part: Any) -> str | None:
         return f"every content part must be a dict with 'type' in {CONTENT_PART_TYPES}, got {part!r}"
     if part["type"] == "text" and not isinstance(part.get("text"), str):
         return f"a text part needs a string 'text', got {part!r}"
-    if part["type"] == "image" and _image_of_part(part) is None:
+    if part["type"] == "image" and image_of_part(part) is None:
         return f"an image part needs an 'image' (path, bytes or PIL image) or 'path', got keys {sorted(part)}"
     return None
 
 
-def _image_of_part(part: dict) -> Any:
+def image_of_part(part: dict) -> Any:
+    """The image of a valid image part: its 'image', else its 'path'."""
     return part["image"] if part.get("image") is not None else part.get("path")
 
 
 def _messages_problem(messages: Any, allow_parts: bool = False) -> str | None:
     """What is wrong with a ``messages`` value, or None when it is a valid conversation.
 
-    ``allow_parts``: a content may also be a list of text/image parts (training rows; the
-    text-only paths — rendering, RL prompts — keep plain strings).
+    ``allow_parts``: a content may also be a list of text/image parts (training rows and
+    generation prompts; the text-only paths — rendering, observations — keep plain strings).
     """
     if not isinstance(messages, list) or not messages:
         return f"'messages' must be a non-empty list of {{role, content}} dicts, got {messages!r}"
@@ -90,9 +92,10 @@ def _messages_problem(messages: Any, allow_parts: bool = False) -> str | None:
 
 
 def prompt_messages_problem(messages: Any) -> str | None:
-    """What is wrong with ``messages`` as a generation prompt, or None: a valid conversation without assistant turn."""
+    """What is wrong with ``messages`` as a generation prompt, or None: a valid conversation
+    without assistant turn, whose contents are strings or lists of text/image parts."""
     # Tasks keep prompts as immutable tuples; JSON rows bring lists.
-    problem = _messages_problem(list(messages) if isinstance(messages, tuple) else messages)
+    problem = _messages_problem(list(messages) if isinstance(messages, tuple) else messages, allow_parts=True)
     if problem is None and any(m["role"] == TRAINED_ROLE for m in messages):
         problem = f"a prompt must not contain an {TRAINED_ROLE!r} turn (the model generates it), got {messages!r}"
     return problem
@@ -110,7 +113,7 @@ def _header(role: str, tokenizer: Tokenizer) -> list[int]:
     return [tokenizer.im_start_id] + tokenizer.encode(role + "\n")
 
 
-def _resolve(source: Any, base_dir: str | None) -> Any:
+def resolve_image(source: Any, base_dir: str | None) -> Any:
     """Relative image paths are relative to the row's file (``base_dir``), else to the working directory.
 
     A URL stays as it is, so that opening it names it as a URL (``images.is_url``).
@@ -122,7 +125,7 @@ def _resolve(source: Any, base_dir: str | None) -> Any:
     if isinstance(source, (str, os.PathLike)) and not os.path.isabs(source):
         return os.path.join(base_dir, source)
     if isinstance(source, dict) and source.get("bytes") is None and isinstance(source.get("path"), str):
-        return {**source, "path": _resolve(source["path"], base_dir)}
+        return {**source, "path": resolve_image(source["path"], base_dir)}
     return source
 
 
@@ -167,7 +170,7 @@ class _RowBuilder:
                 "supported; put images in user/system turns, prompts or 'text' rows"
             )
         where = f"image {len(self.images)} ({where})"
-        self.images.append(ImageRef(_resolve(source, self.base_dir), len(self.tokens), where))
+        self.images.append(ImageRef(resolve_image(source, self.base_dir), len(self.tokens), where))
 
     def finish(self) -> TokenizedRow:
         if self.marker_images is not None and self.num_markers != len(self.marker_images):
@@ -192,7 +195,7 @@ def _add_messages(builder: _RowBuilder, messages: Sequence[dict[str, Any]]) -> N
                 if part["type"] == "text":
                     builder.add_text(part["text"], is_target, where)
                 else:
-                    builder.add_image(_image_of_part(part), where, allowed=not is_target)
+                    builder.add_image(image_of_part(part), where, allowed=not is_target)
         # The model must learn to emit <|im_end|> to stop; the newline after it is template glue.
         builder.add([tokenizer.im_end_id], is_target)
         builder.add(tokenizer.encode("\n"), False)
@@ -287,18 +290,33 @@ def _tokenize_messages(messages: Sequence[dict[str, str]], tokenizer: Tokenizer)
     return builder.tokens, builder.target_mask
 
 
-def tokenize_prompt(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) -> list[int]:
-    """The tokens a model generates an assistant turn from: ``messages`` then the assistant header.
+def tokenize_prompt_row(messages: Sequence[dict[str, Any]], tokenizer: Tokenizer) -> TokenizedRow:
+    """What a model generates an assistant turn from: ``messages`` then the assistant header,
+    with its images (content parts, never ``<image>`` markers) and where each one goes.
 
-    They are exactly the tokens ``tokenize_row`` puts before the assistant content of
-    ``messages + [assistant turn]``, so SFT on a task's rows and RL on its prompts see the same
-    prefix; the model then emits the content and ``<|im_end|>``.
+    The tokens and images are exactly those ``tokenize_row_with_images`` puts before the
+    assistant content of ``messages + [assistant turn]``, so SFT on a task's rows and RL on its
+    prompts see the same prefix; the model then emits the content and ``<|im_end|>``. Nothing
+    is a loss target. Image paths are taken as given (a task resolves them when it reads them).
     """
     problem = prompt_messages_problem(messages)
     if problem is not None:
         raise ValueError(f"invalid generation prompt: {problem}")
-    tokens, _ = _tokenize_messages(messages, tokenizer)
-    return tokens + _header(TRAINED_ROLE, tokenizer)
+    builder = _RowBuilder(tokenizer, None, None)
+    _add_messages(builder, messages)
+    builder.add(_header(TRAINED_ROLE, tokenizer), False)
+    return builder.finish()
+
+
+def tokenize_prompt(messages: Sequence[dict[str, Any]], tokenizer: Tokenizer) -> list[int]:
+    """The tokens of ``tokenize_prompt_row`` for a prompt without images; images are a ValueError."""
+    prompt = tokenize_prompt_row(messages, tokenizer)
+    if prompt.images:
+        raise ValueError(
+            f"the generation prompt has {len(prompt.images)} image(s); tokenize it with tokenize_prompt_row, "
+            "which also says where each image's placeholder tokens go"
+        )
+    return prompt.tokens
 
 
 def tokenize_observation(messages: Sequence[dict[str, str]], tokenizer: Tokenizer) -> list[int]:

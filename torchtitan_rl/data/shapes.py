@@ -13,6 +13,10 @@ token counts vary from sample to sample. The mix (``QUESTION_MIX``):
   position embedding), so its share is small;
 - ``text`` (15 %): the text-only ``arithmetic`` question.
 
+RL problems (the ``shapes`` task of ``torchtitan_rl.rl.tasks``) follow ``RL_QUESTION_MIX``:
+questions with one-word answers a tiny model learns from the image, including ``shape`` (one
+large shape, as in ``colour`` → ``circle`` / ``square`` / ``triangle``), which SFT rows never ask.
+
 Shapes are drawn without anti-aliasing on a white background, so every pixel has exactly the
 background colour or one of ``COLOURS``: answers can be recomputed from the pixels. Row i
 depends only on ``(seed, i)``: rows are drawn when indexed, never held in memory.
@@ -43,8 +47,12 @@ QUESTIONS = {
     "count": "How many shapes are there?",
     "more": "Which image has more shapes?",
     "left_right": "Is the shape on the left or on the right?",
+    "shape": "What shape is it?",
 }
 QUESTION_MIX = (("colour", 0.40), ("count", 0.20), ("more", 0.15), ("left_right", 0.10), ("text", 0.15))
+"""The SFT rows' question shares (recipes and benchmarks rely on them: keep them as they are)."""
+RL_QUESTION_MIX = (("colour", 0.4), ("shape", 0.4), ("count", 0.2))
+"""The RL problems' shares: one-word answers, verifiable exactly, about images a tiny model can learn."""
 LONG_SIDE = (48, 192)
 MAX_ASPECT = 4.0
 MIN_COLOUR_SHAPE = 0.7  # shape size / short side of a colour image (>= 0.7 was learned fast in our runs)
@@ -85,14 +93,20 @@ def _random_shape(rng: random.Random) -> tuple[str, str]:
     return rng.choice(SHAPE_KINDS), rng.choice(sorted(COLOURS))
 
 
-def colour_image(rng: random.Random) -> tuple[bytes, str]:
-    """One shape of 70..95 % of the short side, anywhere → (PNG, colour name)."""
+def large_shape_image(rng: random.Random) -> tuple[bytes, str, str]:
+    """One shape of 70..95 % of the short side, anywhere → (PNG, shape kind, colour name)."""
     width, height = _canvas_size(rng, 1 / MAX_ASPECT, MAX_ASPECT)
     short = min(width, height)
     size = max(1, min(short, math.ceil(rng.uniform(MIN_COLOUR_SHAPE, 0.95) * short)))
     kind, colour = _random_shape(rng)
     x, y = rng.randint(0, width - size), rng.randint(0, height - size)
-    return _png(width, height, [(kind, x, y, size, colour)]), colour
+    return _png(width, height, [(kind, x, y, size, colour)]), kind, colour
+
+
+def colour_image(rng: random.Random) -> tuple[bytes, str]:
+    """``large_shape_image`` → (PNG, colour name)."""
+    png, _, colour = large_shape_image(rng)
+    return png, colour
 
 
 def left_right_image(rng: random.Random) -> tuple[bytes, str]:
@@ -141,6 +155,9 @@ def draw_row(rng: random.Random, kind: str) -> dict:
     if kind == "colour":
         png, answer = colour_image(rng)
         parts = [_image_part(png)]
+    elif kind == "shape":
+        png, answer, _ = large_shape_image(rng)
+        parts = [_image_part(png)]
     elif kind == "left_right":
         png, answer = left_right_image(rng)
         parts = [_image_part(png)]
@@ -155,17 +172,23 @@ def draw_row(rng: random.Random, kind: str) -> dict:
         question, answer = arithmetic_question(rng)
         return _chat(question, answer)
     else:
-        raise ValueError(f"unknown shapes question kind {kind!r}; expected one of {[k for k, _ in QUESTION_MIX]}")
+        raise ValueError(f"unknown shapes question kind {kind!r}; expected one of {[*QUESTIONS, 'text']}")
     return _chat(parts + [{"type": "text", "text": QUESTIONS[kind]}], answer)
 
 
-def _kind(rng: random.Random) -> str:
+def _kind(rng: random.Random, mix: Sequence[tuple[str, float]] = QUESTION_MIX) -> str:
+    """A question kind of ``mix`` (shares summing to 1), from one draw of ``rng``."""
     draw = rng.random()
-    for kind, share in QUESTION_MIX:
+    for kind, share in mix:
         draw -= share
         if draw < 0:
             return kind
-    return QUESTION_MIX[-1][0]
+    return mix[-1][0]
+
+
+def draw_rl_row(rng: random.Random) -> dict:
+    """One row of a question kind drawn from ``RL_QUESTION_MIX``: what an RL problem of ``rng`` asks."""
+    return draw_row(rng, _kind(rng, RL_QUESTION_MIX))
 
 
 class ShapesRows(Sequence):

@@ -1,16 +1,19 @@
 """Verifiable RL tasks: prompt pools with reference answers, and rewards that check the answers.
 
 ``build_task`` is the one entry point; ``TASKS`` maps each task name to the builder of its
-``(train, eval, spare)`` problem pools. Reward formulas are in ``torchtitan_rl.rl.tasks.rewards``.
+``(train, eval, spare)`` problem pools: the built-in text tasks, ``shapes`` (prompts with
+images, for a vision-language policy) and ``jsonl`` (a user's files, optionally with images).
+Reward formulas are in ``torchtitan_rl.rl.tasks.rewards``.
 """
 
 from collections.abc import Callable
 from functools import partial
 
 from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS, QUESTION_GENERATORS
-from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools
+from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools, generated_problem_pools
 from torchtitan_rl.rl.tasks.jsonl import jsonl_problem_pools
 from torchtitan_rl.rl.tasks.rewards import ANSWER_MATCHES, Reward, RewardSpec
+from torchtitan_rl.rl.tasks.shapes import shapes_stream
 from torchtitan_rl.rl.tasks.task import Problem, Task, VerifiableTask, answered_rows
 
 ProblemPoolBuilder = Callable[..., tuple[list[Problem], list[Problem], list[Problem]]]
@@ -21,6 +24,7 @@ TASKS: dict[str, ProblemPoolBuilder] = {
         name: partial(builtin_problem_pools, name, generate)
         for name, generate in {**QUESTION_GENERATORS, **ENV_QUESTION_GENERATORS}.items()
     },
+    "shapes": partial(generated_problem_pools, "shapes", shapes_stream),
     "jsonl": jsonl_problem_pools,
 }
 

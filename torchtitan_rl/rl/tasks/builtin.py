@@ -1,29 +1,36 @@
-"""Problem pools of the built-in synthetic tasks, from the question generators the SFT rows use.
+"""Problem pools of the built-in synthetic tasks, drawn from seeded streams of candidate problems.
 
-The train pool is the first ``num_train`` distinct questions drawn from ``seed``; the eval pool
-the first ``num_eval`` distinct questions from an eval seed derived from ``seed`` that are not in
-the train pool. Both are fixed by the seed alone, whatever the layout or the number of steps.
+The train pool is the first ``num_train`` distinct candidates of the ``train`` stream of
+``seed``; the eval pool the first ``num_eval`` distinct candidates of the ``eval`` stream that
+are not in the train pool. Both are fixed by the seed alone, whatever the layout or the number
+of steps. The text tasks' candidates are the questions the SFT rows use.
 """
 
 import random
+from collections.abc import Callable, Iterator
 
 from torchtitan_rl.data.questions import QuestionGenerator
 from torchtitan_rl.rl.tasks.task import Problem
+
+Candidate = tuple[tuple[dict, ...], str]
+"""A problem before it has a place in a pool: its prompt messages and its answer."""
+CandidateStreams = Callable[[int, str], Iterator[Candidate]]
+"""``(seed, split)`` → the endless stream of the ``split`` ("train" or "eval") candidates of ``seed``."""
 
 # How many draws per wanted problem before concluding the task has too few distinct questions.
 _DRAWS_PER_PROBLEM = 100
 
 
 def _distinct_problems(
-    task_name: str, split: str, generate: QuestionGenerator, rng: random.Random, count: int, excluded: set
+    task_name: str, split: str, candidates: Iterator[Candidate], count: int, excluded: set
 ) -> list[Problem]:
     problems: list[Problem] = []
     seen = set(excluded)
     for _ in range(_DRAWS_PER_PROBLEM * count + 1000):
         if len(problems) == count:
             break
-        question, answer = generate(rng)
-        problem = Problem(({"role": "user", "content": question},), answer, f"{task_name} {split} #{len(problems)}")
+        messages, answer = next(candidates)
+        problem = Problem(messages, answer, f"{task_name} {split} #{len(problems)}")
         if problem.prompt_key() not in seen:
             seen.add(problem.prompt_key())
             problems.append(problem)
@@ -35,9 +42,9 @@ def _distinct_problems(
     return problems
 
 
-def builtin_problem_pools(
+def generated_problem_pools(
     task_name: str,
-    generate: QuestionGenerator,
+    streams: CandidateStreams,
     *,
     path: str,
     num_train: int,
@@ -45,9 +52,9 @@ def builtin_problem_pools(
     seed: int,
     answer_match: str,
 ) -> tuple[list[Problem], list[Problem], list[Problem]]:
-    """``(train, eval, spare)`` problems of the built-in task ``task_name``, whose questions
-    ``generate`` draws (no spare ones: a generator can always draw more); rejects options it
-    does not use."""
+    """``(train, eval, spare)`` problems of the built-in task ``task_name``, whose candidates
+    ``streams`` draws (no spare ones: a stream can always draw more); rejects options it does
+    not use."""
     if path:
         raise ValueError(
             f"rl.task_path: task {task_name!r} is built in and reads no file, but rl.task_path={path!r}; leave it empty"
@@ -58,8 +65,23 @@ def builtin_problem_pools(
         )
     if num_train < 1:
         raise ValueError(f"rl.num_train_prompts: task {task_name!r} needs at least 1, got {num_train}")
-    train = _distinct_problems(task_name, "train", generate, random.Random(seed), num_train, excluded=set())
-    # A string seed gives a stream unrelated to every integer seed's, so eval never replays train draws.
-    eval_rng = random.Random(f"eval-{seed}")
+    train = _distinct_problems(task_name, "train", streams(seed, "train"), num_train, excluded=set())
     train_prompts = {problem.prompt_key() for problem in train}
-    return train, _distinct_problems(task_name, "eval", generate, eval_rng, num_eval, excluded=train_prompts), []
+    eval_problems = _distinct_problems(task_name, "eval", streams(seed, "eval"), num_eval, excluded=train_prompts)
+    return train, eval_problems, []
+
+
+def _question_stream(generate: QuestionGenerator, seed: int, split: str) -> Iterator[Candidate]:
+    # The train stream is the SFT rows' stream of the same seed. A string seed gives a stream
+    # unrelated to every integer seed's, so eval never replays train draws.
+    rng = random.Random(seed if split == "train" else f"eval-{seed}")
+    while True:
+        question, answer = generate(rng)
+        yield ({"role": "user", "content": question},), answer
+
+
+def builtin_problem_pools(
+    task_name: str, generate: QuestionGenerator, **options
+) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """``generated_problem_pools`` of a text task whose questions ``generate`` draws."""
+    return generated_problem_pools(task_name, lambda seed, split: _question_stream(generate, seed, split), **options)

@@ -1,5 +1,12 @@
 """Problems from local JSONL files: one ``{"prompt" | "messages", "answer"}`` object a line.
 
+Prompts may carry images, as in SFT rows (``data.chat``): a system/user content may be a list
+of ``{"type": "text", "text": ...}`` / ``{"type": "image", "image": path}`` parts, or the text
+may hold ``<image>`` markers for the entries of a top-level ``"images"`` list of paths. Markers
+become parts when the file is read, so a problem's messages hold images one way: parts whose
+``image`` is a path, relative ones resolved against the file's directory. Whether the files
+exist and decode is checked where the images are read, not here.
+
 Rows are validated here rather than by ``datasets`` so every error names the file and line.
 ``num_eval`` rows are held out by a seeded random choice, and train rows that repeat a held-out
 prompt are dropped, so no eval prompt is ever trained on.
@@ -11,13 +18,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-from torchtitan_rl.data.chat import prompt_messages_problem
+from torchtitan_rl.data.chat import IMAGE_MARKER, image_of_part, prompt_messages_problem, resolve_image
 from torchtitan_rl.rl.tasks.rewards import parse_number
 from torchtitan_rl.rl.tasks.task import Problem
 
 ROW_FORMATS = (
     "{'prompt': str, 'answer': str|int|float} or "
-    "{'messages': [{'role': 'system'|'user', 'content': str}, ...], 'answer': str|int|float}"
+    "{'messages': [{'role': 'system'|'user', 'content': str or a list of {'type': 'text', 'text': str} / "
+    "{'type': 'image', 'image': path} parts}, ...], 'answer': str|int|float}; either may add "
+    "'images': [path, ...], the k-th '<image>' marker of its text standing for the k-th path"
 )
 
 
@@ -49,10 +58,63 @@ def _answer_text(answer: Any, answer_match: str) -> str:
     return text
 
 
-def _row_problem(row: Any, source: str, answer_match: str) -> Problem:
+def _marker_parts(messages: list[dict], images: Any) -> list[dict]:
+    """``messages`` with each ``<image>`` marker of their text replaced by a part holding the next image."""
+    if not isinstance(images, list):
+        raise ValueError(f"'images' must be a list of image paths (one per {IMAGE_MARKER!r} marker), got {images!r}")
+    for k, image in enumerate(images):
+        if not isinstance(image, str) or not image:
+            raise ValueError(f"'images'[{k}] must be an image path, got {image!r}")
+    if any(not isinstance(m["content"], str) for m in messages):
+        raise ValueError("the row has both a top-level 'images' list and content parts; give images one way")
+    num_markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
+    if num_markers != len(images):
+        raise ValueError(
+            f"the row's text has {num_markers} {IMAGE_MARKER!r} markers but its 'images' list has {len(images)} "
+            "images; each marker stands for the next image of the list"
+        )
+    remaining = iter(images)
+    converted = []
+    for message in messages:
+        # Text without markers stays a string, as in a row without images.
+        if IMAGE_MARKER not in message["content"]:
+            converted.append(message)
+            continue
+        first, *rest = message["content"].split(IMAGE_MARKER)
+        # Empty text between markers is no part: tokenizing the marker form skips it too.
+        parts = [{"type": "text", "text": first}] if first else []
+        for piece in rest:
+            parts.append({"type": "image", "image": next(remaining)})
+            parts += [{"type": "text", "text": piece}] if piece else []
+        converted.append({**message, "content": parts})
+    return converted
+
+
+def _resolved_parts(messages: list[dict], base_dir: str) -> tuple[dict, ...]:
+    """``messages`` with every image part as ``{"type": "image", "image": path}``, relative paths
+    made relative to ``base_dir`` (the file's directory)."""
+    resolved = []
+    for index, message in enumerate(messages):
+        if isinstance(message["content"], str):
+            resolved.append(message)
+            continue
+        parts = []
+        for part_index, part in enumerate(message["content"]):
+            if part["type"] == "text":
+                parts.append({"type": "text", "text": part["text"]})
+                continue
+            source = image_of_part(part)
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"message {index} part {part_index}: an image must be a path string, got {source!r}")
+            parts.append({"type": "image", "image": resolve_image(source, base_dir)})
+        resolved.append({**message, "content": parts})
+    return tuple(resolved)
+
+
+def _row_problem(row: Any, source: str, answer_match: str, base_dir: str) -> Problem:
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    unexpected = sorted(set(row) - {"prompt", "messages", "answer"})
+    unexpected = sorted(set(row) - {"prompt", "messages", "images", "answer"})
     if unexpected:
         raise ValueError(f"unexpected keys {unexpected}")
     if "answer" not in row:
@@ -62,13 +124,15 @@ def _row_problem(row: Any, source: str, answer_match: str) -> Problem:
     if "prompt" in row:
         if not isinstance(row["prompt"], str) or not row["prompt"].strip():
             raise ValueError(f"'prompt' must be a non-empty string, got {row['prompt']!r}")
-        messages = ({"role": "user", "content": row["prompt"]},)
+        messages = [{"role": "user", "content": row["prompt"]}]
     else:
         problem = prompt_messages_problem(row["messages"])
         if problem is not None:
             raise ValueError(problem)
-        messages = tuple(dict(m) for m in row["messages"])
-    return Problem(messages, _answer_text(row["answer"], answer_match), source)
+        messages = [dict(m) for m in row["messages"]]
+    if "images" in row:
+        messages = _marker_parts(messages, row["images"])
+    return Problem(_resolved_parts(messages, base_dir), _answer_text(row["answer"], answer_match), source)
 
 
 def read_problems(file: Path, answer_match: str) -> list[Problem]:
@@ -84,7 +148,7 @@ def read_problems(file: Path, answer_match: str) -> list[Problem]:
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError both are ValueErrors
             raise ValueError(f"malformed JSON at {source}: {err}") from err
         try:
-            problems.append(_row_problem(row, source, answer_match))
+            problems.append(_row_problem(row, source, answer_match, str(file.parent)))
         except ValueError as err:
             raise ValueError(f"invalid row at {source}: {err}; expected {ROW_FORMATS}") from err
     if not problems:

@@ -1,24 +1,53 @@
 """What an RL recipe needs from a verifiable task: prompts with reference answers, and a reward."""
 
+import hashlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+from torchtitan_rl.data.chat import image_of_part
 from torchtitan_rl.rl.tasks.rewards import Reward, RewardSpec
+
+PartKey = tuple[str, str]
+"""A content part as a hashable value: ``("text", text)``, ``("image bytes", sha256)`` or ``("image path", path)``."""
+
+
+def _part_key(part: dict) -> PartKey:
+    if part["type"] == "text":
+        return ("text", part["text"])
+    source = image_of_part(part)
+    if isinstance(source, bytes):
+        # A digest keeps keys small; equal SHA-256 digests are taken as equal bytes.
+        return ("image bytes", hashlib.sha256(source).hexdigest())
+    if isinstance(source, (str, os.PathLike)):
+        return ("image path", os.fspath(source))
+    raise ValueError(f"an image part of a problem must hold encoded bytes or a path, got {type(source).__name__}")
+
+
+def _content_key(content: str | list[dict]) -> str | tuple[PartKey, ...]:
+    return content if isinstance(content, str) else tuple(_part_key(part) for part in content)
+
+
+def _copy_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A copy whose content list (if any) is a new list of new parts; the image bytes are immutable."""
+    content = message["content"]
+    return {**message, "content": content if isinstance(content, str) else [dict(part) for part in content]}
 
 
 @dataclass(frozen=True)
 class Problem:
     messages: tuple[dict, ...]
-    """The prompt as chat messages (system and/or user turns), without the assistant turn."""
+    """The prompt as chat messages (system and/or user turns), without the assistant turn; a
+    content is a string or a list of text/image parts (``data.chat``), images as bytes or paths."""
     answer: str
     """The reference answer."""
     source: str
     """Where it came from, for error messages: ``arithmetic train #12``, ``data.jsonl:34``."""
 
-    def prompt_key(self) -> tuple[tuple[str, str], ...]:
-        """The prompt as a hashable value: problems with equal keys have equal prompt tokens."""
-        return tuple((m["role"], m["content"]) for m in self.messages)
+    def prompt_key(self) -> tuple[tuple[str, str | tuple[PartKey, ...]], ...]:
+        """The prompt as a hashable value: problems with equal keys have equal prompt tokens and images."""
+        return tuple((m["role"], _content_key(m["content"])) for m in self.messages)
 
 
 class Task(Protocol):
@@ -54,6 +83,6 @@ def answered_rows(problems: Sequence[Problem]) -> list[dict]:
     """``problems`` with their reference answers as the assistant turn: chat rows for SFT."""
     # Copies: a caller editing a row must not edit the problems the RL stream samples.
     return [
-        {"messages": [dict(m) for m in problem.messages] + [{"role": "assistant", "content": problem.answer}]}
+        {"messages": [_copy_message(m) for m in problem.messages] + [{"role": "assistant", "content": problem.answer}]}
         for problem in problems
     ]
