@@ -35,6 +35,7 @@ from torchtitan_rl.models.attention import cp_attention_context, packed_attentio
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import build_model
 from vlm_cases import run_vlm_checks
+from vlm_grpo_cases import run_vlm_grpo_checks
 
 
 def share(samples, dims: ParallelDims, balance: bool = False, budget: int = 0):
@@ -403,6 +404,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_generator_checks(dims, results)  # on generator_cases.GENERATOR_LAYOUTS only
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
+        run_vlm_grpo_checks(dims, results)  # on vlm_grpo_cases.VLM_GRPO_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only

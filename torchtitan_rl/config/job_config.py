@@ -421,10 +421,11 @@ class LoRA:
 class RL:
     """GRPO (job.recipe = "grpo"): prompts, rewards, advantages, updates, evaluation."""
 
-    task: Literal["arithmetic", "reverse", "calculator", "guess_number", "jsonl"] = "arithmetic"
+    task: Literal["arithmetic", "reverse", "calculator", "guess_number", "shapes", "jsonl"] = "arithmetic"
     """Verifiable task: a built-in one, or jsonl (rows {"prompt" | "messages", "answer"} in
-    rl.task_path). calculator and guess_number are the problems of the environments of those
-    names (rl.env)."""
+    rl.task_path; messages may hold images, for a vision-language model). calculator and
+    guess_number are the problems of the environments of those names (rl.env); shapes asks the
+    colour, the shape or the number of shapes drawn in fresh images (model.name = "vlm")."""
 
     env: str = ""
     """Multi-turn environment: a built-in one (calculator, guess_number) or a user's class as

@@ -132,11 +132,6 @@ def _check_no_vision_keys(cfg) -> None:
 
 
 def _check_vision_model(cfg, merge_size: int, source: str) -> None:
-    if cfg.job.recipe != "sft":
-        raise ValueError(
-            f"model.name: {cfg.model.name!r} trains with job.recipe = 'sft' only "
-            "(GRPO generates text from text prompts)"
-        )
     tokens = [cfg.model.image_token, cfg.model.image_break_token, cfg.model.image_end_token]
     if len(set(tokens)) != 3 or not all(tokens):
         raise ValueError(

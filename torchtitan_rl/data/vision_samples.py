@@ -7,10 +7,13 @@ which decides truncation and drops, and its patch count, which the DP balancing 
 images and map placeholder tokens to feature rows (``Sample.vision_rows``).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_rl.data.chat import insert_placeholders, tokenize_row_with_images
+import torch
+
+from torchtitan_rl.data.chat import TokenizedRow, insert_placeholders, tokenize_row_with_images
 from torchtitan_rl.data.images import (
     CLIP_MEAN,
     CLIP_STD,
@@ -21,7 +24,7 @@ from torchtitan_rl.data.images import (
     preprocess,
     vision_rows,
 )
-from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.data.sample import Sample, SampleImage
 from torchtitan_rl.data.tokenizer import (
     IMAGE_BREAK_TOKEN,
     IMAGE_END_TOKEN,
@@ -156,6 +159,10 @@ class RowPlanner:
             tokenized = tokenize_row_with_images(row, self.tokenizer, base_dir)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
+        return self.plan_tokenized(tokenized, row_index, where)
+
+    def plan_tokenized(self, tokenized: TokenizedRow, row_index: int, where: str) -> PlannedSample:
+        """``plan_row`` of a row already tokenized (e.g. an RL prompt, ``chat.tokenize_prompt_row``)."""
         if self._reserved and not self._reserved.keys().isdisjoint(tokenized.tokens):
             token_id = next(t for t in tokenized.tokens if t in self._reserved)
             raise ValueError(
@@ -196,17 +203,14 @@ class RowPlanner:
         return PlannedSample(row_index, where, tokens, target_mask, images)
 
 
-def build_sample(planned: PlannedSample, vision: VisionDataConfig | None) -> Sample:
-    """The training sample of ``planned``, with decoded, preprocessed images and ``vision_rows``."""
-    sample = Sample.from_tokens(planned.tokens, planned.target_mask)
-    if not planned.images:
-        return sample
-    images = []
-    for image in planned.images:
-        where = f"{planned.where} {image.where}"
-        pil_image = load_image(image.source, where)
+def load_images(images: Sequence[PlannedImage], vision: VisionDataConfig, where: str = "") -> list[SampleImage]:
+    """``images`` decoded, resized, normalized and cut into patches; ``where`` names their row in
+    errors (leave it empty when each image's ``where`` already does)."""
+    loaded = []
+    for image in images:
+        image_where = f"{where} {image.where}" if where else image.where
         processed = preprocess(
-            pil_image,
+            load_image(image.source, image_where),
             vision.patch_size,
             vision.merge_size,
             vision.max_image_tokens,
@@ -217,15 +221,23 @@ def build_sample(planned: PlannedSample, vision: VisionDataConfig | None) -> Sam
         if (processed.rows, processed.cols) != image.grid:
             # The header and the decoded pixels disagree (e.g. a file replaced while training).
             raise ValueError(
-                f"{where}: the decoded image gives a {processed.rows}x{processed.cols} patch grid, but its header "
-                f"gave {image.grid[0]}x{image.grid[1]}"
+                f"{image_where}: the decoded image gives a {processed.rows}x{processed.cols} patch grid, but its "
+                f"header gave {image.grid[0]}x{image.grid[1]}"
             )
-        images.append(processed)
-    sample.images = images
-    sample.vision_rows = vision_rows(
-        len(sample.input_ids),
-        [image.start for image in planned.images],
-        [image.grid for image in planned.images],
-        vision.merge_size,
-    )
+        loaded.append(processed)
+    return loaded
+
+
+def image_vision_rows(images: Sequence[PlannedImage], num_inputs: int, merge_size: int) -> torch.Tensor:
+    """``Sample.vision_rows`` of a sequence of ``num_inputs`` input tokens that holds ``images``."""
+    return vision_rows(num_inputs, [image.start for image in images], [image.grid for image in images], merge_size)
+
+
+def build_sample(planned: PlannedSample, vision: VisionDataConfig | None) -> Sample:
+    """The training sample of ``planned``, with decoded, preprocessed images and ``vision_rows``."""
+    sample = Sample.from_tokens(planned.tokens, planned.target_mask)
+    if not planned.images:
+        return sample
+    sample.images = load_images(planned.images, vision, planned.where)
+    sample.vision_rows = image_vision_rows(planned.images, len(sample.input_ids), vision.merge_size)
     return sample

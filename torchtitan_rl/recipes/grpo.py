@@ -115,6 +115,7 @@ class GRPORecipe(Recipe):
         data = read_task(run)
         self.task, self.train_prompts, self.eval_prompts = data.task, data.train_prompts, data.eval_prompts
         self.env_class = data.env_class
+        self.vision, self.eval_images = data.vision, data.eval_images
         super().__init__(
             run,
             num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
@@ -130,7 +131,9 @@ class GRPORecipe(Recipe):
             self.rollout_client = RolloutClient(topology, sender, job_config.training.steps, rl.max_staleness)
         # The trainers' own replica: every rollout when colocated, evaluation only otherwise.
         needs_replica = self.rollout_client is None or rl.eval_interval > 0
-        self.generator = build_generator(job_config, self.model_args, self.device) if needs_replica else None
+        self.generator = (
+            build_generator(job_config, self.model_args, self.device, data.vision) if needs_replica else None
+        )
         self._synced_bytes = 0  # taken by the replica since the last step's log
         self.sampling = sampling_params(job_config, data.stop_token_ids)
         self.stream = PromptStream(len(self.train_prompts), rl.prompts_per_step, job_config.debug.seed)
@@ -145,6 +148,7 @@ class GRPORecipe(Recipe):
                 self.sampling,
                 self.stream,
                 self.env_class,
+                data.train_images,
             )
         # With LoRA the reference is the base under the adapters (``base_logprobs``): nothing to build or save.
         is_lora = lora_settings(job_config) is not None
@@ -226,6 +230,7 @@ class GRPORecipe(Recipe):
                 seed=cfg.debug.seed,
                 batch_rank=self.parallel_dims.batch_rank(),
                 batch_degree=self.parallel_dims.batch_degree,
+                vision=self.vision,
                 balance_dp_compute=t.balance_dp_compute,
                 max_tokens_per_microbatch=t.max_tokens_per_microbatch,
             )
@@ -326,6 +331,7 @@ class GRPORecipe(Recipe):
                 dims.mesh("batch"),
                 cfg.training.balance_dp_compute,
                 cfg.training.max_tokens_per_microbatch,
+                cfg.training.max_patches_per_microbatch if self.vision is not None else None,
             )
         values.update({f"data/{key}": value for key, value in balance_stats.items()})
 
@@ -413,7 +419,7 @@ class GRPORecipe(Recipe):
         for group in groups:
             minibatches[minibatch_of[group.slot]].append(group)
         cfg = self.job_config
-        return [to_samples(mb, cfg.training.seq_len, cfg.rl.mask_truncated) for mb in minibatches]
+        return [to_samples(mb, cfg.training.seq_len, cfg.rl.mask_truncated, self.vision) for mb in minibatches]
 
     def _recompute_proximal_logprobs(self, samples: list[Sample]) -> dict[str, float]:
         """Set each sample's ``prox_logprobs`` to the policy's before the update (the sampler's
@@ -480,14 +486,16 @@ class GRPORecipe(Recipe):
         self._sync_replica(step)
         indices = split_among_peers(list(range(len(self.eval_prompts))), self.rank, self.parallel_dims.world_size)
         prompts = [self.eval_prompts[i] for i in indices]
+        images = None if self.eval_images is None else [self.eval_images[i] for i in indices]
         seed = self.job_config.generation.seed
         # Step -step: evaluation draws its own random numbers, never a training rollout's.
         engine = self.generator
         if self.env_class is not None:
             problems = {i: self.task.eval_problems[i] for i in indices}
             engine = EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
-        greedy = engine.generate(prompts, indices, 1, dataclasses.replace(self.sampling, temperature=0.0), seed, -step)
-        sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step)
+        greedy_params = dataclasses.replace(self.sampling, temperature=0.0)
+        greedy = engine.generate(prompts, indices, 1, greedy_params, seed, -step, images)
+        sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step, images)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
         for i, index in enumerate(indices):
             problem = self.task.eval_problems[index]

@@ -1,16 +1,25 @@
 """What both sides of a GRPO run read from the config: the task's prompts (tokenized and
-checked), the sampler's replica and its sampling parameters. Training ranks and rollout ranks
+checked; with a vision-language model, their images planned from their headers), the
+sampler's replica and its sampling parameters. Training ranks and rollout ranks
 (``recipes/rollout_worker.py``) build them the same way."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.data.chat import tokenize_prompt
-from torchtitan_rl.recipes.base import RunContext, check_divisible_by_data_parallel, lora_settings
+from torchtitan_rl.data.chat import tokenize_prompt_row
+from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig
+from torchtitan_rl.recipes.base import (
+    RunContext,
+    check_divisible_by_data_parallel,
+    lora_settings,
+    model_args_from_config,
+    vision_data_config,
+)
 from torchtitan_rl.rl.envs import load_environment
-from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
+from torchtitan_rl.rl.generator import PromptImages, SamplingParams, TorchGenerator
 from torchtitan_rl.rl.tasks import Problem, Task, build_task
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -26,6 +35,9 @@ class TaskData:
     eval_prompts: list[list[int]]
     stop_token_ids: tuple[int, ...]
     env_class: type | None  # rl.env's environment, None for a single-turn task
+    vision: VisionDataConfig | None = None  # how a vision-language model takes images; None: a text model
+    train_images: list[PromptImages] | None = None  # per train prompt (a vision-language model only)
+    eval_images: list[PromptImages] | None = None
 
 
 def read_task(run: RunContext) -> TaskData:
@@ -67,22 +79,41 @@ def read_task(run: RunContext) -> TaskData:
     tokenizer = run.tokenizer
     stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
     env_class = load_environment(rl.env) if rl.env else None
+    vision = vision_data_config(cfg, model_args_from_config(cfg, run.device, tokenizer))
+    planner = RowPlanner(tokenizer, vision) if vision is not None else None
 
-    def prompt_of(problem: Problem) -> list[int]:
+    def prompt_of(index: int, problem: Problem) -> tuple[list[int], PromptImages]:
         # An environment opens its episodes with messages of its own (e.g. its tools' manual).
         messages = list(problem.messages) if env_class is None else first_messages(env_class, rl.env, problem)
-        return tokenize_prompt(messages, tokenizer)
+        try:
+            tokenized = tokenize_prompt_row(messages, tokenizer)
+        except ValueError as err:
+            raise ValueError(f"{problem.source}: {err}") from err
+        if planner is None:
+            if tokenized.images:
+                raise ValueError(
+                    f"{problem.source}: the prompt has {len(tokenized.images)} image(s), but model.name = "
+                    f"{cfg.model.name!r} is a text model; train a vision-language model (model.name = 'vlm')"
+                )
+            return tokenized.tokens, ()
+        # Image sizes come from the headers alone: an unreadable image fails here, naming its row.
+        planned = planner.plan_tokenized(tokenized, index, problem.source)
+        if planned.images and env_class is not None:
+            raise ValueError(f"{problem.source}: rl.env = {rl.env!r} runs multi-turn episodes of text prompts only")
+        images = tuple(dataclasses.replace(i, where=f"{problem.source} {i.where}") for i in planned.images)
+        return planned.tokens, images
 
-    train_prompts = [prompt_of(p) for p in task.train_problems]
-    eval_prompts = [prompt_of(p) for p in task.eval_problems]
+    train = [prompt_of(i, p) for i, p in enumerate(task.train_problems)]
+    evaluation = [prompt_of(i, p) for i, p in enumerate(task.eval_problems)]
     problems = [*task.train_problems, *task.eval_problems]
-    for problem, prompt in zip(problems, [*train_prompts, *eval_prompts]):
+    for problem, (prompt, _) in zip(problems, [*train, *evaluation]):
         if len(prompt) - 1 + generation.max_new_tokens > cfg.training.seq_len:
             raise ValueError(
                 f"{problem.source}: a prompt of {len(prompt)} tokens plus generation.max_new_tokens="
                 f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
             )
-    return TaskData(task, train_prompts, eval_prompts, stop_token_ids, env_class)
+    images = ([i for _, i in train], [i for _, i in evaluation]) if vision is not None else (None, None)
+    return TaskData(task, [t for t, _ in train], [t for t, _ in evaluation], stop_token_ids, env_class, vision, *images)
 
 
 def check_lora_reference(job_config: JobConfig) -> None:
@@ -114,8 +145,11 @@ def first_messages(env_class: type, env_name: str, problem: Problem) -> list[dic
     return messages
 
 
-def build_generator(job_config: JobConfig, model_args, device: torch.device) -> TorchGenerator:
-    """An unsharded replica of the policy for sampling (with LoRA: of its merged weights)."""
+def build_generator(
+    job_config: JobConfig, model_args, device: torch.device, vision: VisionDataConfig | None = None
+) -> TorchGenerator:
+    """An unsharded replica of the policy for sampling (with LoRA: of its merged weights);
+    ``vision``: how it reads a vision-language model's prompt images."""
     generation = job_config.generation
     return TorchGenerator(
         model_args,
@@ -123,6 +157,8 @@ def build_generator(job_config: JobConfig, model_args, device: torch.device) -> 
         GENERATION_DTYPES[generation.dtype],
         generation.max_prompts_per_batch,
         lora=lora_settings(job_config),
+        vision=vision,
+        freeze_vision=job_config.model.freeze_vision,
     )
 
 

@@ -43,7 +43,8 @@ class RolloutWorker:
         self.topology = build_rollout_topology(
             dims.world_size, dims.num_rollout_ranks, self.device.type, cfg.comm.rollout_timeout_seconds
         )
-        self.generator = build_generator(cfg, model_args_from_config(cfg, self.device, run.tokenizer), self.device)
+        model_args = model_args_from_config(cfg, self.device, run.tokenizer)
+        self.generator = build_generator(cfg, model_args, self.device, data.vision)
         self.stream = PromptStream(len(data.train_prompts), cfg.rl.prompts_per_step, cfg.debug.seed)
         self.sampler = StepSampler(
             cfg,
@@ -54,6 +55,7 @@ class RolloutWorker:
             sampling_params(cfg, data.stop_token_ids),
             self.stream,
             data.env_class,
+            data.train_images,
         )
         self.receiver = WeightReceiver(self.topology, self.generator, self.device)
         self.outbox = Outbox()

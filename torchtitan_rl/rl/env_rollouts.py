@@ -78,7 +78,10 @@ class EpisodeRunner:
         params: SamplingParams,
         seed: int,
         step: int,
+        images=None,
     ) -> list[EpisodeRollout]:
+        if images is not None and any(images):
+            raise ValueError(f"rl.env = {self.env_name!r}: multi-turn episodes take text prompts, not images")
         envs = {(p, s): self._make(p) for p in prompt_indices for s in range(num_samples)}
         totals = {key: [0.0, False] for key in envs}
 

@@ -1,4 +1,5 @@
-"""Rollout generation: a batched sampler with a static KV cache over the project's ``Qwen3Model``.
+"""Rollout generation: a batched sampler with a static KV cache over the project's models
+(``Qwen3Model`` and the vision-language ``VLMModel``).
 
 Every trainer rank holds an unsharded replica of the policy (docs/design.md, 'The RL step'), refreshed with
 ``update_weights`` after each optimizer step, and samples its share of the step's prompts.
@@ -16,10 +17,14 @@ How a batch of prompts is generated (``kv_cache=True``):
 1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
    forward; its attention state (``_PrefillAttention``) writes every layer's K/V into each
    prompt's ``num_samples`` cache rows. The first token of each row is sampled from its
-   prompt's last-position logits.
+   prompt's last-position logits. A vision-language model's prompts bring their images: the
+   vision tower encodes all images of the batch in one packed call, once per prompt however
+   many samples it has, and the features replace the placeholder tokens' embeddings through
+   ``vision_index``, exactly as in training.
 2. Decode: one token per row per step at the row's own position (RoPE included); attention
    reads the row's cache slots ``0..position`` and masks the rest. Finished rows keep running
-   (static shapes) but their output is frozen.
+   (static shapes) but their output is frozen. Generated tokens are text: decoding never
+   touches the vision tower.
 
 ``kv_cache=False`` reruns the whole packed model on every row's sequence so far at every step:
 the reference the cache is tested against, and the baseline of the benchmark.
@@ -34,13 +39,15 @@ other batch shapes, which can only matter when a uniform falls within rounding o
 """
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from torchtitan_rl.data.vision_samples import PlannedImage, VisionDataConfig, image_vision_rows, load_images
 from torchtitan_rl.models.attention import (
     AttentionContext,
     AttentionState,
@@ -49,7 +56,11 @@ from torchtitan_rl.models.attention import (
 )
 from torchtitan_rl.models.lora import LoRASettings, adapted_module_name, add_adapters, is_adapter_key, merged_weight
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
-from torchtitan_rl.models.qwen3.model import LORA_TARGETS, Qwen3Model
+from torchtitan_rl.models.registry import spec_for_args
+from torchtitan_rl.models.vlm.model import VisionInputs
+
+PromptImages = tuple[PlannedImage, ...]
+"""A prompt's images, in order, with their placeholders' positions in its tokens (none: text)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class Rollout:
     logprobs: list[float]  # log_softmax(logits / temperature) at each completion token (T=1 when greedy)
     stop_reason: str  # "stop" (a stop token was generated) or "length" (max_new_tokens)
     version: int = 0  # the version of the weights that generated it (the RL step they are from)
+    images: PromptImages = ()  # the prompt's images: its training sample carries them too
 
 
 class RolloutEngine(Protocol):
@@ -95,6 +107,7 @@ class RolloutEngine(Protocol):
         params: SamplingParams,
         seed: int,
         step: int,
+        images: Sequence[PromptImages] | None = None,
     ) -> list[Rollout]: ...
 
 
@@ -222,6 +235,14 @@ class _Batch:
     prompts: list[list[int]]
     num_samples: int
     device: torch.device
+    images: list[PromptImages] | None = None  # per prompt; None: a text batch
+    _loaded: dict = field(default_factory=dict)  # prompt -> its decoded images (SampleImage list)
+
+    def loaded_images(self, prompt: int, vision: VisionDataConfig) -> list:
+        """Prompt ``prompt``'s images, decoded and cut into patches once per batch."""
+        if prompt not in self._loaded:
+            self._loaded[prompt] = load_images(self.images[prompt], vision)
+        return self._loaded[prompt]
 
     @property
     def num_rows(self) -> int:
@@ -257,18 +278,24 @@ def sync_names(trains: dict[str, bool], full: bool) -> list[str]:
     return sorted(name for name, trained in trains.items() if full or trained)
 
 
-def trained_parameters(args: Qwen3ModelArgs, lora: LoRASettings | None) -> dict[str, tuple[torch.Size, bool]]:
+def trained_parameters(
+    args: Qwen3ModelArgs, lora: LoRASettings | None, freeze_vision: bool = False
+) -> dict[str, tuple[torch.Size, bool]]:
     """name -> (shape, whether it trains) of the parameters of the model the trainers train:
-    the plain model, or with ``lora`` its adapted form (built on meta, nothing allocated)."""
+    the plain model, or with ``lora`` its adapted form, with ``freeze_vision`` its vision tower
+    frozen, as ``recipes.base.build_model`` builds it (on meta, nothing allocated)."""
+    spec = spec_for_args(args)
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = spec.model_cls(args)
         if lora is not None:
-            add_adapters(model, lora, LORA_TARGETS)
+            add_adapters(model, lora, spec.lora_targets)
+        if freeze_vision:
+            model.vision_tower.requires_grad_(False)
     return {name: (p.shape, p.requires_grad) for name, p in model.named_parameters()}
 
 
 class TorchGenerator:
-    """``RolloutEngine`` on an unsharded ``Qwen3Model`` replica (CPU or CUDA).
+    """``RolloutEngine`` on an unsharded replica of the trained model (CPU or CUDA).
 
     Prompts are generated in batches of at most ``max_prompts_per_batch`` prompts (each with
     ``num_samples`` rows), which bounds the KV cache: per layer, K and V of shape
@@ -279,6 +306,10 @@ class TorchGenerator:
     ``lora``: the trained model carries these adapters; the replica holds its merged weights and
     keeps a copy of each adapted layer's base (in the replica's dtype: a bfloat16 replica merges
     into the bfloat16-rounded base, as it would round a full model's weights).
+
+    ``vision``: how a vision-language model's prompt images are decoded and cut into patches
+    (the loader's settings); ``freeze_vision``: the trained model's vision tower is frozen, so
+    syncs after the first leave the replica's tower as it is.
     """
 
     def __init__(
@@ -289,21 +320,27 @@ class TorchGenerator:
         max_prompts_per_batch: int = 8,
         kv_cache: bool = True,
         lora: LoRASettings | None = None,
+        vision: VisionDataConfig | None = None,
+        freeze_vision: bool = False,
     ):
         if max_prompts_per_batch < 1:
             raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
+        spec = spec_for_args(model_args)
+        if vision is not None and not spec.takes_images:
+            raise ValueError(f"vision settings given for a {spec.name!r} model, which takes no images")
         self.args = model_args
         self.device = torch.device(device)
         self.max_prompts_per_batch = max_prompts_per_batch
         self.kv_cache = kv_cache
+        self.vision = vision
         with torch.device("meta"):
-            model = Qwen3Model(model_args)
+            model = spec.model_cls(model_args)
         # Uninitialized until update_weights: there is nothing to sample from before it.
         self.model = model.to_empty(device=self.device).to(dtype).eval().requires_grad_(False)
         self._loaded = False
         self.version = 0  # of the weights loaded last; every rollout carries it
         self.lora = lora
-        self.sources = trained_parameters(model_args, lora)
+        self.sources = trained_parameters(model_args, lora, freeze_vision)
         self._params = dict(self.model.named_parameters())
         self._adapted = {adapted_module_name(name) for name in self.sources if is_adapter_key(name)}
         self._bases: dict[str, torch.Tensor] = {}  # adapted layer -> its base weight, as last received
@@ -389,23 +426,33 @@ class TorchGenerator:
         params: SamplingParams,
         seed: int,
         step: int,
+        images: Sequence[PromptImages] | None = None,
     ) -> list[Rollout]:
         """One rollout per (prompt, sample), ordered by prompt (as given), then sample index.
 
-        No prompts give no rollouts: a rank's share of a step can be empty (TP / CP peers split
-        their prompts among themselves), and generation involves no collective.
+        ``images[i]`` are prompt i's images (a vision-language model only; None: no prompt has
+        any). No prompts give no rollouts: a rank's share of a step can be empty (TP / CP peers
+        split their prompts among themselves), and generation involves no collective.
         """
-        self._check_inputs(prompts, prompt_indices, num_samples, params)
+        self._check_inputs(prompts, prompt_indices, num_samples, params, images)
         rollouts = []
         for start in range(0, len(prompts), self.max_prompts_per_batch):
             end = start + self.max_prompts_per_batch
-            batch = _Batch(prompts[start:end], num_samples, self.device)
+            batch_images = list(images[start:end]) if images is not None and any(images[start:end]) else None
+            batch = _Batch(prompts[start:end], num_samples, self.device, batch_images)
             rollouts += self._generate_batch(batch, prompt_indices[start:end], params, seed, step)
         return rollouts
 
-    def _check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams) -> None:
+    def _check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams, images=None) -> None:
         if len(prompts) != len(prompt_indices):
             raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt_indices")
+        if images is not None:
+            if len(images) != len(prompts):
+                raise ValueError(f"{len(prompts)} prompts but {len(images)} image lists")
+            if self.vision is None and any(images):
+                raise ValueError(
+                    "prompts with images need a vision-language model and its vision settings (TorchGenerator vision=)"
+                )
         if len(set(prompt_indices)) != len(prompt_indices):
             raise ValueError("prompt_indices must be distinct: each one seeds its own random streams")
         if num_samples < 1:
@@ -456,16 +503,47 @@ class TorchGenerator:
                 logprobs[r][: lengths[r]],
                 "stop" if stopped[r] else "length",
                 self.version,
+                batch.images[r // batch.num_samples] if batch.images is not None else (),
             )
             for r, (p, s) in enumerate(pairs)
         ]
 
+    def _vision_inputs(self, batch: _Batch, num_inputs: list[int], prompt_of: list[int]) -> VisionInputs | None:
+        """The images of packed sequences, sequence k of ``num_inputs[k]`` tokens starting with
+        prompt ``prompt_of[k]`` of ``batch`` (whose images it holds); None for a text batch.
+        Each prompt's images are decoded once, whatever the number of sequences that hold them."""
+        if batch.images is None:
+            return None
+        patches, grids, index = [], [], []
+        num_features = 0
+        for prompt, length in zip(prompt_of, num_inputs):
+            rows = image_vision_rows(batch.images[prompt], length, self.vision.merge_size)
+            index.append(torch.where(rows >= 0, rows + num_features, rows))
+            for image in batch.loaded_images(prompt, self.vision):
+                patches.append(image.patches)
+                grids.append((image.rows, image.cols))
+            num_features += int((rows >= 0).sum())
+        if not grids:
+            return None
+        return VisionInputs(
+            torch.cat(patches).to(self.device, self.model.output.weight.dtype),
+            tuple(grids),
+            torch.cat(index).to(self.device),
+        )
+
     def _logits(
-        self, tokens, positions, seq_ids, attention: AttentionState | None = None, rows: torch.Tensor | None = None
+        self,
+        tokens,
+        positions,
+        seq_ids,
+        attention: AttentionState | None = None,
+        rows: torch.Tensor | None = None,
+        vision: VisionInputs | None = None,
     ) -> torch.Tensor:
         """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
-        ``attention`` (default: the model's plain packed attention)."""
-        hidden = self.model(tokens, positions, seq_ids, attention=attention)
+        ``attention`` (default: the model's plain packed attention), with ``vision``'s images."""
+        images = () if vision is None else (vision,)
+        hidden = self.model(tokens, positions, seq_ids, *images, attention=attention)
         if self.args.is_moe:
             hidden = hidden[0]  # a MoE model also returns its router statistics
         if rows is not None:
@@ -477,9 +555,11 @@ class TorchGenerator:
         prompts = [torch.tensor(p, device=self.device) for p in batch.prompts]
 
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
-            sequences = [torch.cat((prompts[r // batch.num_samples], tokens[r, :t])) for r in range(batch.num_rows)]
+            prompt_of = [r // batch.num_samples for r in range(batch.num_rows)]
+            sequences = [torch.cat((prompts[prompt_of[r]], tokens[r, :t])) for r in range(batch.num_rows)]
             ids, positions, seq_ids, last = _pack(sequences)
-            return self._logits(ids, positions, seq_ids, rows=last)
+            vision = self._vision_inputs(batch, [s.numel() for s in sequences], prompt_of)
+            return self._logits(ids, positions, seq_ids, rows=last, vision=vision)
 
         return next_logits
 
@@ -516,7 +596,8 @@ class TorchGenerator:
         slots = positions.repeat_interleave(samples)
         context = build_attention_context(self.args.attn_backend, seq_ids, positions)
         attention = _PrefillAttention(context, cache, rows, slots, samples)
-        return self._logits(ids, positions, seq_ids, attention, last).repeat_interleave(samples, dim=0)
+        vision = self._vision_inputs(batch, [len(p) for p in batch.prompts], list(range(len(batch.prompts))))
+        return self._logits(ids, positions, seq_ids, attention, last, vision).repeat_interleave(samples, dim=0)
 
     def _decode(self, tokens, positions, span: int, cache: _KVCache) -> torch.Tensor:
         """One token per row at its own position, attending to its cache slots 0..position.

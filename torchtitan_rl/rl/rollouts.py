@@ -20,10 +20,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.data.balance import assign_to_ranks, rank_loads, sample_cost
-from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.data.sample import Sample, SampleImage
+from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_rows, load_images
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout
-from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
+from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import OVERLONG_COMPONENT, is_penalized
 from torchtitan_rl.rl.tasks import Reward
 
@@ -97,9 +98,11 @@ def generate_share(
     step: int,
     peer_mesh: DeviceMesh | None,
     index_offset: int = 0,
+    step_images: list[PromptImages] | None = None,
 ) -> list[Rollout]:
     """This peer's part of the rollouts of ``slots`` (indices into ``step_prompts``, the step's
-    prompt tokens); ``exchange_among_peers`` then gives every peer all of them.
+    prompt tokens, and ``step_images``, their images); ``exchange_among_peers`` then gives every
+    peer all of them.
 
     A rollout's prompt index, which keys its randomness, is ``index_offset + slot``: dynamic
     sampling's later rounds of a step pass an offset so that their keys are new
@@ -108,7 +111,8 @@ def generate_share(
     peer_rank, num_peers = (0, 1) if peer_mesh is None else (peer_mesh.get_local_rank(), peer_mesh.size())
     mine = split_among_peers(slots, peer_rank, num_peers)
     indices = [index_offset + s for s in mine]
-    return generator.generate([step_prompts[s] for s in mine], indices, num_samples, params, seed, step)
+    images = None if step_images is None else [step_images[s] for s in mine]
+    return generator.generate([step_prompts[s] for s in mine], indices, num_samples, params, seed, step, images)
 
 
 def exchange_among_peers(local: list, peer_mesh: DeviceMesh | None) -> list:
@@ -158,13 +162,17 @@ def is_truncated(rollout: Rollout) -> bool:
     return rollout.stop_reason == "length"
 
 
-def to_samples(groups: list[ScoredGroup], max_len: int, mask_truncated: bool = False) -> list[Sample]:
+def to_samples(
+    groups: list[ScoredGroup], max_len: int, mask_truncated: bool = False, vision: VisionDataConfig | None = None
+) -> list[Sample]:
     """One training sample per rollout: the loss covers the completion (stop token included),
     whose tokens carry the group advantage and the sampler's log-probs; the group id is the
     prompt's slot in the step. With ``mask_truncated`` a truncated completion carries no loss
-    token (its reward still entered its group's advantages)."""
+    token (its reward still entered its group's advantages). A prompt's images (decoded with
+    ``vision``, once per group) go with every sample of its group, as in the generator's prefill."""
     samples = []
     for group in groups:
+        images = _group_images(group, vision)
         for rollout, advantage in zip(group.rollouts, group.advantages):
             tokens = rollout.prompt_tokens + rollout.completion_tokens
             if len(tokens) - 1 > max_len:
@@ -192,7 +200,20 @@ def to_samples(groups: list[ScoredGroup], max_len: int, mask_truncated: bool = F
                     group_id=group.slot,
                 )
             )
+            if images:
+                samples[-1].images = images
+                samples[-1].vision_rows = image_vision_rows(rollout.images, len(tokens) - 1, vision.merge_size)
     return samples
+
+
+def _group_images(group: ScoredGroup, vision: VisionDataConfig | None) -> list[SampleImage]:
+    """The decoded images of ``group``'s prompt (every rollout of a group has the same), or []."""
+    images = group.rollouts[0].images if group.rollouts else ()
+    if not images:
+        return []
+    if vision is None:
+        raise ValueError("rollouts of prompts with images need the vision settings of a vision-language model")
+    return load_images(images, vision)
 
 
 # ------------------------------------------------------------------ DP compute balancing
@@ -203,7 +224,11 @@ SampleKey = tuple[int, int]
 
 
 def plan_dp_balance(
-    lengths: list[list[list[int]]], balance: bool, max_tokens: int = 0
+    lengths: list[list[list[int]]],
+    balance: bool,
+    max_tokens: int = 0,
+    patches: list[list[list[int]]] | None = None,
+    max_patches: int = 0,
 ) -> tuple[list[list[list[SampleKey]]], dict]:
     """Which samples every data-parallel rank trains in every mini-batch, and how even the work is.
 
@@ -219,7 +244,9 @@ def plan_dp_balance(
     slowest rank (1.0 is even; with one mini-batch, SFT's max / mean). With ``balance`` every
     mini-batch is split by ``assign_to_ranks`` over its global order, for micro-batches of
     ``max_tokens`` tokens, unless the own shares have no higher estimated step cost (then
-    nothing moves). A pure function of ``lengths``: every rank computes
+    nothing moves). A vision-language model's samples also cost their images' vision patches
+    (``patches``, shaped like ``lengths``), and micro-batches hold at most ``max_patches`` of
+    them. A pure function of the sizes: every rank computes
     the same plan. The gradient does not depend on it (docs/design.md, 'Loss weights'; group
     ids are global prompt slots, so ``prompt_mean`` counts a group spread over ranks whole).
     """
@@ -229,9 +256,17 @@ def plan_dp_balance(
     total_mean = 0.0
     for m in range(len(lengths[0])):
         keys = [(r, i) for r in range(num_ranks) for i in range(len(lengths[r][m]))]
-        costs = [sample_cost(lengths[r][m][i]) for r, i in keys]
+        num_patches = [patches[r][m][i] for r, i in keys] if patches is not None else [0] * len(keys)
+        costs = [sample_cost(lengths[r][m][i], p) for (r, i), p in zip(keys, num_patches)]
         own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(num_ranks)]
-        balanced = assign_to_ranks([lengths[r][m][i] for r, i in keys], num_ranks, max_tokens=max_tokens, fallback=own)
+        balanced = assign_to_ranks(
+            [lengths[r][m][i] for r, i in keys],
+            num_ranks,
+            num_patches=num_patches if patches is not None else None,
+            max_tokens=max_tokens,
+            max_patches=max_patches,
+            fallback=own,
+        )
         chosen = balanced if balance else own
         for suffix, split in (("", chosen), ("_contiguous", own), ("_balanced", balanced)):
             slowest[suffix] += max(rank_loads(costs, split))
@@ -258,17 +293,26 @@ def _moved_from(plan: list[list[list[SampleKey]]], source: int) -> list[tuple[in
 
 def _to_wire(sample: Sample) -> dict:
     """``sample``'s fields with its tensors as numpy arrays: pickling a numpy array copies one
-    buffer, a torch tensor goes through storage serialization (~16x slower for GRPO samples)."""
-    assert sample.images is None, "RL samples carry no images"
-    return {
+    buffer, a torch tensor goes through storage serialization (~16x slower for GRPO samples).
+    Images travel as (patches, rows, cols)."""
+    fields = {
         field.name: value.numpy() if isinstance(value, torch.Tensor) else value
         for field in dataclasses.fields(sample)
+        if field.name != "images"
         for value in (getattr(sample, field.name),)
     }
+    if sample.images is not None:
+        fields["images"] = [(image.patches.numpy(), image.rows, image.cols) for image in sample.images]
+    return fields
 
 
 def _from_wire(fields: dict) -> Sample:
-    return Sample(**{name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()})
+    fields = dict(fields)
+    images = fields.pop("images", None)
+    sample = Sample(**{name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()})
+    if images is not None:
+        sample.images = [SampleImage(torch.from_numpy(patches), rows, cols) for patches, rows, cols in images]
+    return sample
 
 
 def outgoing_samples(plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]]) -> list[dict]:
@@ -296,11 +340,16 @@ def assemble_minibatches(
 
 
 def balance_over_data_parallel(
-    minibatches: list[list[Sample]], batch_mesh: DeviceMesh | None, balance: bool, max_tokens: int = 0
+    minibatches: list[list[Sample]],
+    batch_mesh: DeviceMesh | None,
+    balance: bool,
+    max_tokens: int = 0,
+    max_patches: int | None = None,
 ) -> tuple[list[list[Sample]], dict]:
     """This rank's samples of every mini-batch after compute balancing (``plan_dp_balance``) over
-    the ``batch`` mesh for micro-batches of ``max_tokens`` tokens, and the step's imbalance
-    stats (computed with balancing off too).
+    the ``batch`` mesh for micro-batches of ``max_tokens`` tokens (and, for a vision-language
+    model, ``max_patches`` vision patches; None: a text model), and the step's imbalance stats
+    (computed with balancing off too).
 
     Two host collectives per step, all mini-batches at once: an object all-gather of the sample
     lengths (a few ints per sample; every rank then derives the same plan), then, only when
@@ -312,11 +361,15 @@ def balance_over_data_parallel(
     the same plan and exchanges the same copies.
     """
     local = [[len(sample) for sample in mb] for mb in minibatches]
+    local_patches = None if max_patches is None else [[sample.num_patches for sample in mb] for mb in minibatches]
     if batch_mesh is None:
-        return minibatches, plan_dp_balance([local], balance, max_tokens)[1]
-    lengths: list = [None] * batch_mesh.size()
-    dist.all_gather_object(lengths, local, group=batch_mesh.get_group())
-    plan, stats = plan_dp_balance(lengths, balance, max_tokens)
+        patches = None if local_patches is None else [local_patches]
+        return minibatches, plan_dp_balance([local], balance, max_tokens, patches, max_patches or 0)[1]
+    sizes: list = [None] * batch_mesh.size()
+    dist.all_gather_object(sizes, (local, local_patches), group=batch_mesh.get_group())
+    lengths = [rank_lengths for rank_lengths, _ in sizes]
+    patches = None if max_patches is None else [rank_patches for _, rank_patches in sizes]
+    plan, stats = plan_dp_balance(lengths, balance, max_tokens, patches, max_patches or 0)
     if not any(_moved_from(plan, source) for source in range(len(lengths))):
         return minibatches, stats  # every rank knows that nothing moves: no second collective
     rank = batch_mesh.get_local_rank()

@@ -18,7 +18,7 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.tokenizer import Tokenizer
 from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner, decode_completion
-from torchtitan_rl.rl.generator import Rollout, RolloutEngine, SamplingParams
+from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import shape_overlong
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
@@ -43,7 +43,8 @@ class SampledStep:
 
 class StepSampler:
     """Draws a step's prompts from ``stream``, generates ``rl.group_size`` completions of each,
-    rewards them with ``task`` and scores the groups."""
+    rewards them with ``task`` and scores the groups. ``images[i]``: prompt i's images (a
+    vision-language model; None: text prompts)."""
 
     def __init__(
         self,
@@ -55,12 +56,14 @@ class StepSampler:
         sampling: SamplingParams,
         stream: PromptStream,
         env_class: type | None = None,
+        images: list[PromptImages] | None = None,
     ):
         self.rl, self.seed = job_config.rl, job_config.generation.seed
         self.job_config = job_config
         self.task, self.prompts, self.tokenizer = task, prompts, tokenizer
         self.generator, self.sampling, self.stream = generator, sampling, stream
         self.env_class = env_class
+        self.images = images
 
     def sample(
         self,
@@ -125,6 +128,7 @@ class StepSampler:
                 step,
                 peer_mesh,
                 offset,
+                None if self.images is None else [self.images[i] for i in problem_ids],
             )
         with timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
