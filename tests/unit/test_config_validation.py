@@ -82,20 +82,6 @@ def test_vlm_flavors_and_settings():
         (["--training.max_image_tokens", "64"], ["training.max_image_tokens", "model.name = 'vlm'"]),
         (["--model.image_token", "<img>"], ["model.image_token", "only used by a vision-language model"]),
         (
-            [
-                "--model.name",
-                "vlm",
-                "--job.recipe",
-                "grpo",
-                "--loss.loss_fn",
-                "ppo",
-                "--training.global_batch_size",
-                "8",
-            ],
-            # A VLM trains by GRPO too, and the GRPO rules still apply to it.
-            ["training.global_batch_size", "not used by job.recipe = 'grpo'"],
-        ),
-        (
             ["--model.name", "vlm", "--training.max_patches_per_microbatch", "100"],
             ["training.max_patches_per_microbatch", "must be 0 or >= 1024", "max_image_tokens=256"],
         ),

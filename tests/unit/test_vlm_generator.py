@@ -180,3 +180,12 @@ def test_prompt_images_need_a_vision_model():
     )
     with pytest.raises(ValueError, match="need a vision-language model"):
         generate(text, PROMPTS[:1])
+
+
+def test_phase_seconds_split_prefill_from_decoding_and_reset():
+    gen = generator_for(noisy_model()[0])
+    gen.take_phase_seconds()
+    generate(gen, PROMPTS[:1], num_samples=1, params=dataclasses.replace(PARAMS, stop_token_ids=()))
+    phases = gen.take_phase_seconds()
+    assert phases["prefill"] > 0 and phases["decode"] > 0
+    assert gen.take_phase_seconds() == {"prefill": 0.0, "decode": 0.0}

@@ -107,7 +107,8 @@ def load_image(source: ImageSource, where: str) -> Image.Image:
             return Image.alpha_composite(white, rgba).convert("RGB")
         return image.convert("RGB")
     except _DECODE_ERRORS as err:
-        raise ValueError(f"{where}: cannot decode the image: {err}") from err
+        name = f"image file {os.fspath(source)!r}" if isinstance(source, (str, os.PathLike)) else "the image"
+        raise ValueError(f"{where}: cannot decode {name}: {err}") from err
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -39,6 +39,7 @@ other batch shapes, which can only matter when a uniform falls within rounding o
 """
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -345,6 +346,13 @@ class TorchGenerator:
         self._adapted = {adapted_module_name(name) for name in self.sources if is_adapter_key(name)}
         self._bases: dict[str, torch.Tensor] = {}  # adapted layer -> its base weight, as last received
         self._pending: dict[str, torch.Tensor] = {}  # the adapters of the sync in progress
+        self._phase_seconds = {"prefill": 0.0, "decode": 0.0}
+
+    def take_phase_seconds(self) -> dict[str, float]:
+        """Seconds spent since the last call in prefill (prompts, their images through the vision
+        tower, the first token) and in decoding the other tokens; resets both."""
+        taken, self._phase_seconds = self._phase_seconds, {"prefill": 0.0, "decode": 0.0}
+        return taken
 
     @property
     def is_loaded(self) -> bool:
@@ -487,11 +495,14 @@ class TorchGenerator:
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
         next_logits = self._cached_logits(batch, params) if self.kv_cache else self._uncached_logits(batch)
         for t in range(steps):
+            start = time.perf_counter()
             uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
             tokens[:, t], logprobs[:, t] = sample_tokens(next_logits(t, tokens), params, uniforms.to(self.device))
             lengths += ~stopped
             stopped |= torch.isin(tokens[:, t], stop_ids)
-            if bool(stopped.all()):
+            done = bool(stopped.all())  # a host sync: the step's time is the device's too
+            self._phase_seconds["prefill" if t == 0 else "decode"] += time.perf_counter() - start
+            if done:
                 break
         tokens, logprobs, lengths, stopped = (x.tolist() for x in (tokens, logprobs, lengths, stopped))
         return [

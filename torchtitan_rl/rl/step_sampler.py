@@ -117,6 +117,7 @@ class StepSampler:
         if self.env_class is not None:
             problems = {offset + slot: self.task.train_problems[i] for slot, i in enumerate(problem_ids)}
             engine = self.episode_runner(problems)
+        self.generator.take_phase_seconds()  # drop what an evaluation spent since the last round
         with timed(times, "generate"):
             local = generate_share(
                 engine,
@@ -130,6 +131,10 @@ class StepSampler:
                 offset,
                 None if self.images is None else [self.images[i] for i in problem_ids],
             )
+        # The generator's own split of the round (multi-turn episodes decode elsewhere: none).
+        for phase, seconds in self.generator.take_phase_seconds().items():
+            if seconds:
+                times[f"generate_{phase}"] = times.get(f"generate_{phase}", 0.0) + seconds
         with timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
         with timed(times, "reward"):
