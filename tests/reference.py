@@ -1,10 +1,7 @@
 """Independent references shared by the tests: the reduction modes as written in docs/design.md ('Loss weights'),
-a clean environment for launching training processes, and the launched ranks' thread count."""
+and a clean environment for launching training processes."""
 
-import contextlib
 import os
-
-import torch
 
 
 def minibatch_loss(seq_sums: list, seq_loss_tokens: list, mode: str, horizon: int, groups: list | None = None):
@@ -38,16 +35,3 @@ def launch_env() -> dict:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Run the block with one intra-op thread, as every launched rank does (``launch_env``):
-    a reduction split over two threads rounds differently, so a bitwise comparison with a
-    rank's result needs the same kernels."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)

@@ -3,6 +3,8 @@
 Kept free of any reference computation: the references live in the test module.
 """
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -203,3 +205,16 @@ def logprob_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     weight = torch.randn(VOCAB, LOGPROB_DIM, generator=gen)
     labels = torch.randint(0, VOCAB, (LOGPROB_TOKENS,), generator=gen)
     return hidden, weight, labels
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the block with one intra-op thread, as every launched rank does (``reference.launch_env``):
+    a reduction split over two threads rounds differently, so a bitwise comparison with a
+    rank's result needs the same kernels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

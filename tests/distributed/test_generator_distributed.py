@@ -14,7 +14,6 @@ import torch
 
 import generator_cases as gc
 import layout_cases as lc
-from reference import one_thread
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import TorchGenerator
 
@@ -47,7 +46,7 @@ def single_process_rollouts(weights: dict) -> list:
         lc.model_args(False), torch.device("cpu"), max_prompts_per_batch=gc.MAX_PROMPTS_PER_BATCH
     )
     generator.update_weights(model)
-    with one_thread():
+    with lc.one_thread():
         indices = list(range(len(gc.PROMPT_LENS)))
         return generator.generate(gc.prompts(), indices, gc.NUM_SAMPLES, gc.PARAMS, gc.SEED, gc.STEP)
 

@@ -14,7 +14,6 @@ import torch
 import layout_cases as lc
 import rl_cases
 from generator_cases import prompts
-from reference import one_thread
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import Rollout, TorchGenerator
 from torchtitan_rl.rl.rollouts import PromptStream, plan_dp_balance, rank_prompt_slots, score_groups, to_samples
@@ -31,7 +30,7 @@ def reference_generator() -> TorchGenerator:
 def single_process_rollouts() -> dict:
     generator = reference_generator()
     step_prompts = prompts()
-    with one_thread():  # the ranks' float kernels: bitwise equality is the claim
+    with lc.one_thread():  # the ranks' float kernels: bitwise equality is the claim
         rollouts = generator.generate(
             step_prompts,
             list(range(len(step_prompts))),
@@ -122,7 +121,7 @@ def single_process_dynamic_sampling() -> tuple[list[tuple], int]:
     num_prompts = rl_cases.PROMPTS_PER_STEP
     stream = PromptStream(rl_cases.POOL_SIZE, num_prompts, rl_cases.STREAM_SEED)
     found, num_rounds = [], 0
-    with one_thread():
+    with lc.one_thread():
         while num_rounds < rl_cases.MAX_SAMPLING_ROUNDS and len(found) < num_prompts:
             problems = stream.next_step()
             keys = [num_rounds * num_prompts + s for s in range(num_prompts)]

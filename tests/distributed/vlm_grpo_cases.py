@@ -21,7 +21,6 @@ from PIL import Image
 
 import layout_cases as lc
 import vlm_cases as vc
-from reference import one_thread
 from rl_cases import gather_to_all
 from torchtitan_rl.data.images import image_grid, image_placeholder
 from torchtitan_rl.data.packing import VisionPacking
@@ -149,7 +148,7 @@ def run_vlm_grpo_checks(dims: ParallelDims, results: dict) -> None:
         return
     # One rank runs in the test process: with the launched ranks' one thread its float kernels
     # round alike, which bitwise equal rollouts need.
-    with one_thread():
+    with lc.one_thread():
         results[layout_key(*layout)] = _run_steps(dims)
 
 
