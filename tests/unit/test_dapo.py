@@ -167,7 +167,7 @@ class RecordingGenerator:
     def __init__(self):
         self.calls = []
 
-    def generate(self, prompts, prompt_indices, num_samples, params, seed, step):
+    def generate(self, prompts, prompt_indices, num_samples, params, seed, step, images=None):
         self.calls.append((prompts, prompt_indices))
         return [
             Rollout(p, s, prompt, [0], [0.0], "stop") for prompt, p in zip(prompts, prompt_indices) for s in range(2)
@@ -200,7 +200,10 @@ def scripted_rollout(seed, step, prompt_index, sample_index, prompt) -> Rollout:
 
 
 class ScriptedGenerator:
-    def generate(self, prompts, prompt_indices, num_samples, params, seed, step):
+    def take_phase_seconds(self) -> dict[str, float]:
+        return {}
+
+    def generate(self, prompts, prompt_indices, num_samples, params, seed, step, images=None):
         return [
             scripted_rollout(seed, step, p, s, prompt)
             for prompt, p in zip(prompts, prompt_indices)
@@ -248,6 +251,7 @@ def scripted_recipe(prompts_per_step: int, **rl) -> GRPORecipe:
     recipe.task = ScriptedTask()
     recipe.tokenizer = DigitTokenizer()
     recipe.sampling = SamplingParams(MAX_NEW, 1.0, stop_token_ids=(0,))
+    recipe.vision = None  # a text model
     recipe.sampler = StepSampler(
         cfg, recipe.task, recipe.train_prompts, recipe.tokenizer, recipe.generator, recipe.sampling, recipe.stream
     )

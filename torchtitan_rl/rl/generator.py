@@ -111,6 +111,8 @@ class RolloutEngine(Protocol):
         images: Sequence[PromptImages] | None = None,
     ) -> list[Rollout]: ...
 
+    def take_phase_seconds(self) -> dict[str, float]: ...  # phase -> seconds since the last call; reset
+
 
 def rollout_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
     """Seed of one rollout's generator: the first 8 bytes (little-endian) of the SHA-256 of
