@@ -163,11 +163,13 @@ CASES = [("cross_entropy", mode, budget, ("uneven",), False) for mode in SFT_MOD
     ("cross_entropy", "token_mean", 24, ("uneven",), True),  # clipped AdamW step; must stay last
 ]
 TIED_CASES = [("cross_entropy", "token_mean", 24, ("uneven",), False)]
-# Layouts that combine several parallel dims: every mode once, at the budget that gives
-# several micro-batches per rank (CI time on 2 cores; single-dim layouts run every budget).
+# Layouts that combine several parallel dims, and those of more than 2 ranks: every mode once, at
+# the budget that gives several micro-batches per rank (CI time on 2 cores). The single-dim
+# layouts of 1 and 2 ranks run every budget.
 COMPOSITE_CASES = [case for case in CASES if case[2] == 24]
-# Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS. Layouts
-# that combine several parallel dims run the budget of several micro-batches per rank only.
+# Every RL loss with KL and entropy on, every mode, two budgets; on lc.RL_LAYOUTS. Layouts that
+# combine several parallel dims, or span more than 2 ranks, run the budget of several
+# micro-batches per rank only.
 RL_CASES = [
     (loss_fn, mode, budget, ("rl",), False)
     for loss_fn in lc.RL_LOSS_FNS
@@ -384,12 +386,12 @@ def run_all_layouts(world_size: int) -> dict:
     for dp_replicate, dp_shard, cp, tp in lc.layouts(world_size):
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size)
         dims.build_meshes("cpu")
-        composite = sum(d > 1 for d in (dp_replicate, dp_shard, cp, tp)) > 1
+        reduced = world_size > 2 or sum(d > 1 for d in (dp_replicate, dp_shard, cp, tp)) > 1
         rl_cases = (
-            (COMPOSITE_RL_CASES if composite else RL_CASES) if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
+            (COMPOSITE_RL_CASES if reduced else RL_CASES) if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
         )
         # RL cases first: the last SFT case steps the optimizer.
-        run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if composite else CASES))
+        run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if reduced else CASES))
         run_gspo_cp_mutant(dims, results)
         if (dp_replicate, dp_shard, cp, tp) in lc.VARLEN_LAYOUTS:
             run_layout(dims, False, results, COMPOSITE_CASES, attn_backend="sdpa_varlen")
