@@ -49,5 +49,3 @@ BUILTIN_TASKS: dict[str, Callable[[int, int], Sequence[dict]]] = {
     "reverse": reverse,
     "shapes": shapes,
 }
-IMAGE_TASKS = ("shapes",)
-"""Built-in tasks whose rows carry images: they need a vision-language model."""
