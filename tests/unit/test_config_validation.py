@@ -241,9 +241,49 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
             [*GRPO, "--rl.use_reference", "true"],
             ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"],
         ),
-        ([*GRPO, "--rl.task", "jsonl"], ["rl.task_path: set it to the .jsonl file"]),
-        ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'jsonl'"]),
-        ([*GRPO, "--rl.answer_match", "numeric"], ["rl.answer_match: only used with rl.task = 'jsonl'"]),
+        ([*GRPO, "--rl.task", "dataset"], ["rl.task_path: set it to the .jsonl, .json or .parquet file"]),
+        ([*GRPO, "--rl.task", "jsonl"], ["rl.task: unknown task 'jsonl'", "'dataset'", "'package.module:function'"]),
+        ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'dataset' or a task factory"]),
+        ([*GRPO, "--rl.answer_match", "numeric"], ["rl.answer_match: only used with rl.task = 'dataset'"]),
+        (
+            [*GRPO, "--rl.eval_task_path", "e.jsonl", "--rl.eval_interval", "5"],
+            ["rl.eval_task_path: only used with rl.task = 'dataset', but rl.task = 'arithmetic'"],
+        ),
+        (
+            [*GRPO, "--rl.task", "dataset", "--rl.task_path", "x.jsonl", "--rl.eval_task_path", "e.jsonl"],
+            ["rl.eval_task_path: only used with evaluation; set rl.eval_interval > 0"],
+        ),
+        (
+            [*GRPO, "--rl.eval_interval", "5", "--rl.num_eval_prompts", "0"],
+            ["rl.num_eval_prompts = 0: rl.eval_interval=5 evaluates on held-out prompts", "rl.eval_task_path"],
+        ),
+        (
+            [*GRPO, "--rl.reward_fn", "pkg.mod:fn", "--rl.partial_credit", "0.5"],
+            ["rl.partial_credit: sets the task's verifier, which rl.reward_fn = 'pkg.mod:fn' replaces"],
+        ),
+        (
+            [*GRPO, "--rl.reward_fn", "pkg.mod:fn", "--rl.env", "calculator", "--rl.task", "calculator"],
+            ["rl.reward_fn: with rl.env the environment rewards each episode"],
+        ),
+        ([*GRPO, "--rl.sft_warmup_only", "true"], ["rl.sft_warmup_only: set rl.sft_warmup_steps >= 1"]),
+        (
+            [*GRPO, "--rl.sft_warmup_only", "true", "--rl.sft_warmup_steps", "5"],
+            ["rl.sft_warmup_only: the run saves the warmed-up model and exits; set checkpoint.enable = true"],
+        ),
+        (
+            [
+                *GRPO,
+                "--rl.sft_warmup_only",
+                "true",
+                "--rl.sft_warmup_steps",
+                "5",
+                "--checkpoint.enable",
+                "true",
+                "--parallelism.rollout_ranks",
+                "1",
+            ],
+            ["parallelism.rollout_ranks: rl.sft_warmup_only runs no RL step"],
+        ),
         (
             [*GRPO, "--rl.prompts_per_step", "6", "--rl.num_minibatches", "4"],
             ["rl.prompts_per_step=6", "rl.num_minibatches=4"],
@@ -273,13 +313,23 @@ def test_grpo_recipes_parse():
         "--rl.use_reference",
         "true",
         "--rl.task",
-        "jsonl",
+        "dataset",
         "--rl.task_path",
         "x.jsonl",
         "--rl.answer_match",
         "numeric",
     )
     assert cfg.rl.use_reference and cfg.rl.answer_match == "numeric"
+    # A task factory may read rl.task_path; the warm-up alone may save in HF format without
+    # last_save_model_only (its save is model only anyway).
+    cfg = parse(*GRPO, "--rl.task", "pkg.mod:make_task", "--rl.task_path", "rows/", "--rl.reward_fn", "pkg.mod:fn")
+    assert cfg.rl.task == "pkg.mod:make_task" and cfg.rl.reward_fn == "pkg.mod:fn"
+    cfg = parse(
+        *GRPO,
+        *("--rl.sft_warmup_only", "true", "--rl.sft_warmup_steps", "5", "--checkpoint.enable", "true"),
+        *("--checkpoint.last_save_in_hf", "true"),
+    )
+    assert cfg.rl.sft_warmup_only and cfg.checkpoint.last_save_in_hf
     # Both recipes balance DP compute by default; GRPO reads the switch, so turning it off is no error.
     assert cfg.training.balance_dp_compute and parse().training.balance_dp_compute
     assert not parse(*GRPO, "--training.balance_dp_compute", "false").training.balance_dp_compute

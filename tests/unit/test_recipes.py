@@ -113,7 +113,7 @@ def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
     recipe.close()
 
 
-def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
+def test_grpo_dataset_warmup_needs_rows_outside_the_rl_pool(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(f'{{"prompt": "{i}+1?", "answer": "{i + 1}"}}\n' for i in range(6)))
     args = [
@@ -122,9 +122,11 @@ def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
         "--job.dump_folder",
         str(tmp_path / "grpo"),
         "--rl.task",
-        "jsonl",
+        "dataset",
         "--rl.task_path",
         str(rows),
+        "--rl.eval_interval",
+        "5",
         "--rl.num_eval_prompts",
         "1",
         "--rl.num_train_prompts",
@@ -134,7 +136,9 @@ def test_grpo_jsonl_warmup_needs_rows_outside_the_rl_pool(tmp_path):
         "--rl.sft_warmup_batch_size",
         "4",
     ]
-    with pytest.raises(ValueError, match=r"rl.sft_warmup_steps=3: .*rl.num_train_prompts=0 leaves none of the 5 "):
+    with pytest.raises(
+        ValueError, match=r"rl.sft_warmup_steps=3: the warm-up of task 'dataset' .* none besides the 5 RL prompts"
+    ):
         GRPORecipe(parse(*args))
 
 

@@ -13,7 +13,7 @@ from torchtitan_rl.data.chat import tokenize_prompt, tokenize_prompt_row, tokeni
 from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS
 from torchtitan_rl.data.tasks import BUILTIN_TASKS
 from torchtitan_rl.data.tokenizer import ByteTokenizer
-from torchtitan_rl.rl.tasks import TASKS, Problem, RewardSpec, answered_rows, build_task
+from torchtitan_rl.rl.tasks import GENERATED_TASKS, TASKS, Problem, RewardSpec, answered_rows, build_task
 
 TOKENIZER = ByteTokenizer()
 PROBLEM = Problem(({"role": "user", "content": "q"},), "42", "test")
@@ -93,7 +93,7 @@ def test_task_reward_scores_against_the_problem_answer():
 )
 def test_invalid_reward_options(spec, match):
     with pytest.raises(ValueError, match=match):
-        build_task("jsonl", path="unused.jsonl", num_train=0, num_eval=0, seed=0, **spec)
+        build_task("dataset", path="unused.jsonl", num_train=0, num_eval=0, seed=0, **spec)
 
 
 # ---------------------------------------------------------------- built-in tasks
@@ -271,7 +271,7 @@ def test_prompt_keys_of_image_parts():
     assert len({by_path, same.prompt_key(), same.prompt_key()}) == 2
 
 
-# ---------------------------------------------------------------- jsonl
+# ---------------------------------------------------------------- dataset rows
 
 
 def write_lines(path, lines):
@@ -279,7 +279,7 @@ def write_lines(path, lines):
     return path
 
 
-def test_jsonl_rows_of_both_forms(tmp_path):
+def test_dataset_rows_of_both_forms(tmp_path):
     system = {"role": "system", "content": "Be brief."}
     rows = [
         {"prompt": "2+2?", "answer": "4"},
@@ -287,7 +287,7 @@ def test_jsonl_rows_of_both_forms(tmp_path):
         {"prompt": "7*6?", "answer": 42},
     ]
     file = write_lines(tmp_path / "data.jsonl", [json.dumps(rows[0]), "", json.dumps(rows[1]), json.dumps(rows[2])])
-    task = build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0, answer_match="numeric")
+    task = build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0, answer_match="numeric")
     assert task.eval_problems == ()
     assert task.train_problems == (
         Problem(({"role": "user", "content": "2+2?"},), "4", f"{file}:1"),
@@ -301,7 +301,7 @@ def numbered_rows(count: int, start: int = 0) -> list[str]:
     return [json.dumps({"prompt": f"question {i}", "answer": str(i)}) for i in range(start, start + count)]
 
 
-def test_jsonl_holdout_is_seeded_disjoint_and_in_file_order(tmp_path):
+def test_dataset_holdout_is_seeded_disjoint_and_in_file_order(tmp_path):
     # A directory: files in sorted order, subdirectories included.
     write_lines(tmp_path / "b.jsonl", numbered_rows(10, start=10))
     (tmp_path / "sub").mkdir()
@@ -310,7 +310,7 @@ def test_jsonl_holdout_is_seeded_disjoint_and_in_file_order(tmp_path):
     (tmp_path / "notes.txt").write_text("not data")
 
     def pools(seed, num_train=0):
-        task = build_task("jsonl", path=str(tmp_path), num_train=num_train, num_eval=6, seed=seed)
+        task = build_task("dataset", path=str(tmp_path), num_train=num_train, num_eval=6, seed=seed)
         return [int(p.answer) for p in task.train_problems], [int(p.answer) for p in task.eval_problems]
 
     train, held_out = pools(seed=0)
@@ -320,17 +320,17 @@ def test_jsonl_holdout_is_seeded_disjoint_and_in_file_order(tmp_path):
     subset, same_held_out = pools(seed=0, num_train=5)
     assert same_held_out == held_out and len(subset) == 5 and set(subset) < set(train) and subset == sorted(subset)
     # The rows left out of the RL pool are the warm-up's; none without a subset.
-    task = build_task("jsonl", path=str(tmp_path), num_train=5, num_eval=6, seed=0)
+    task = build_task("dataset", path=str(tmp_path), num_train=5, num_eval=6, seed=0)
     spare = [int(p.answer) for p in task.spare_problems]
     assert sorted(spare + subset) == train and spare == sorted(spare)
-    assert build_task("jsonl", path=str(tmp_path), num_train=0, num_eval=6, seed=0).spare_problems == ()
+    assert build_task("dataset", path=str(tmp_path), num_train=0, num_eval=6, seed=0).spare_problems == ()
 
 
-def test_jsonl_spare_rows_never_repeat_a_train_prompt(tmp_path):
+def test_dataset_spare_rows_never_repeat_a_train_prompt(tmp_path):
     rows = [json.dumps({"prompt": f"q{i % 4}", "answer": str(i)}) for i in range(12)]
     file = write_lines(tmp_path / "r.jsonl", rows)
     for seed in range(5):
-        task = build_task("jsonl", path=str(file), num_train=3, num_eval=0, seed=seed)
+        task = build_task("dataset", path=str(file), num_train=3, num_eval=0, seed=seed)
         train_prompts = {p.prompt_key() for p in task.train_problems}
         assert not train_prompts & {p.prompt_key() for p in task.spare_problems}
         trained = {p.answer for p in task.train_problems}
@@ -339,11 +339,11 @@ def test_jsonl_spare_rows_never_repeat_a_train_prompt(tmp_path):
         assert [p.answer for p in task.spare_problems] == expected and len(expected) > 0
 
 
-def test_jsonl_train_rows_repeating_a_held_out_prompt_are_dropped(tmp_path):
+def test_dataset_train_rows_repeating_a_held_out_prompt_are_dropped(tmp_path):
     same = json.dumps({"prompt": "same", "answer": "x"})
     file = write_lines(tmp_path / "d.jsonl", [same, same, same, json.dumps({"prompt": "other", "answer": "y"})])
     for seed in range(10):
-        task = build_task("jsonl", path=str(file), num_train=0, num_eval=1, seed=seed)
+        task = build_task("dataset", path=str(file), num_train=0, num_eval=1, seed=seed)
         assert not {p.prompt_key() for p in task.train_problems} & {p.prompt_key() for p in task.eval_problems}
         assert len(task.train_problems) == (1 if prompt_of(task.eval_problems[0]) == "same" else 3)
 
@@ -354,10 +354,8 @@ GOOD = json.dumps({"prompt": "q", "answer": "a"})
 @pytest.mark.parametrize(
     "bad_line, reason",
     [
-        ('{"prompt": "q", "answer": ', "malformed JSON"),
-        ('["q", "a"]', "expected a JSON object, got list"),
         ('{"prompt": "q"}', "missing 'answer'"),
-        ('{"prompt": "q", "answer": "a", "id": 3}', "unexpected keys ['id']"),
+        ('{"prompt": "q", "answer": null}', "missing 'answer'"),
         ('{"answer": "a"}', "exactly one of 'prompt' and 'messages'"),
         ('{"prompt": "q", "messages": [{"role": "user", "content": "q"}], "answer": "a"}', "exactly one of"),
         ('{"prompt": 3, "answer": "a"}', "'prompt' must be a non-empty string"),
@@ -373,21 +371,31 @@ GOOD = json.dumps({"prompt": "q", "answer": "a"})
         ('{"messages": [], "answer": "a"}', "non-empty list"),
     ],
 )
-def test_jsonl_bad_row_names_file_and_line(tmp_path, bad_line, reason):
+def test_dataset_bad_row_names_file_and_line(tmp_path, bad_line, reason):
     file = write_lines(tmp_path / "bad.jsonl", [GOOD, "", bad_line, GOOD])
     with pytest.raises(ValueError) as excinfo:
-        build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0)
+        build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0)
     assert f"{file}:3" in str(excinfo.value) and reason in str(excinfo.value)
 
 
-def test_jsonl_numeric_match_needs_numeric_answers(tmp_path):
+@pytest.mark.parametrize(
+    "bad_line, reason",
+    [('{"prompt": "q", "answer": ', "Expecting value"), ('["q", "a"]', "expected a JSON object, got list")],
+)
+def test_dataset_malformed_json_names_file_and_line(tmp_path, bad_line, reason):
+    file = write_lines(tmp_path / "bad.jsonl", [GOOD, "", bad_line, GOOD])
+    with pytest.raises(ValueError, match=re.escape(f"malformed JSON in {str(file)!r} at line 3: {reason}")):
+        build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0)
+
+
+def test_dataset_numeric_match_needs_numeric_answers(tmp_path):
     file = write_lines(tmp_path / "n.jsonl", [json.dumps({"prompt": "q", "answer": 7}), GOOD])
-    assert len(build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0).train_problems) == 2
+    assert len(build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0).train_problems) == 2
     with pytest.raises(ValueError, match=re.escape(f"{file}:2: 'answer' 'a' is not a decimal number")):
-        build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0, answer_match="numeric")
+        build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0, answer_match="numeric")
 
 
-# ---------------------------------------------------------------- jsonl rows with images
+# ---------------------------------------------------------------- dataset rows with images
 
 
 def image_rows_file(tmp_path):
@@ -413,9 +421,9 @@ def image_rows_file(tmp_path):
     return write_lines(tmp_path / "sub" / "rows.jsonl", [json.dumps(row) for row in rows])
 
 
-def test_jsonl_image_rows_become_parts_with_paths_resolved_against_the_file(tmp_path):
+def test_dataset_image_rows_become_parts_with_paths_resolved_against_the_file(tmp_path):
     file = image_rows_file(tmp_path)
-    task = build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0)
+    task = build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0)
     folder = str(tmp_path / "sub")
     user = {
         "role": "user",
@@ -453,8 +461,11 @@ def user_parts(*parts) -> str:
 @pytest.mark.parametrize(
     "bad_line, reason",
     [
-        (user_parts({"type": "image", "image": 3}), "message 0 part 0: an image must be a path string, got 3"),
-        (user_parts({"type": "image", "image": ""}), "an image must be a path string"),
+        (
+            user_parts({"type": "image", "image": 3}),
+            "message 0 part 0: an image must be a path or encoded bytes, got 3",
+        ),
+        (user_parts({"type": "image", "image": ""}), "an image must be a path or encoded bytes"),
         (user_parts({"type": "image", "url": "x.png"}), "an image part needs an 'image'"),
         (user_parts({"type": "video", "video": "x.mp4"}), "message 0: every content part"),
         (user_parts({"type": "text", "text": None}), "a text part needs a string 'text'"),
@@ -474,10 +485,10 @@ def user_parts(*parts) -> str:
         ),
     ],
 )
-def test_jsonl_bad_image_row_names_file_and_line(tmp_path, bad_line, reason):
+def test_dataset_bad_image_row_names_file_and_line(tmp_path, bad_line, reason):
     file = write_lines(tmp_path / "bad.jsonl", [GOOD, bad_line])
     with pytest.raises(ValueError) as excinfo:
-        build_task("jsonl", path=str(file), num_train=0, num_eval=0, seed=0)
+        build_task("dataset", path=str(file), num_train=0, num_eval=0, seed=0)
     assert f"{file}:2" in str(excinfo.value) and reason in str(excinfo.value)
 
 
@@ -485,9 +496,14 @@ def test_jsonl_bad_image_row_names_file_and_line(tmp_path, bad_line, reason):
     "setup, options, match",
     [
         (lambda d: write_lines(d / "e.jsonl", ["", "  "]), {}, "is empty"),
-        (lambda d: d / "missing.jsonl", {}, "does not exist"),
-        (lambda d: write_lines(d / "rows.json", [GOOD]), {}, "not a .jsonl file"),
-        (lambda d: d, {}, "directory with no .jsonl files"),
+        (lambda d: d / "missing.jsonl", {}, "rl.task_path='.*missing.jsonl' does not exist"),
+        (lambda d: write_lines(d / "rows.txt", [GOOD]), {}, "unsupported dataset file"),
+        (lambda d: d, {}, "rl.task_path='.*' is a directory with no \\['.json', '.jsonl', '.parquet'\\] files"),
+        (
+            lambda d: write_lines(d / "r.jsonl", [GOOD]),
+            {"eval_path": "/missing/eval.jsonl", "num_eval": 1},
+            "rl.eval_task_path='/missing/eval.jsonl' does not exist",
+        ),
         (
             lambda d: write_lines(d / "r.jsonl", [GOOD] * 3),
             {"num_eval": 3},
@@ -501,14 +517,14 @@ def test_jsonl_bad_image_row_names_file_and_line(tmp_path, bad_line, reason):
         (
             lambda d: write_lines(d / "r.jsonl", [GOOD] * 3),
             {"num_eval": 1},
-            "repeats a held-out prompt; lower rl.num_eval_prompts",
+            "every row of .* repeats a held-out prompt",
         ),
     ],
 )
-def test_jsonl_file_errors(tmp_path, setup, options, match):
+def test_dataset_file_errors(tmp_path, setup, options, match):
     path = setup(tmp_path)
     with pytest.raises(ValueError, match=match) as error:
-        build_task("jsonl", path=str(path), **{"num_train": 0, "num_eval": 0, "seed": 0, **options})
+        build_task("dataset", path=str(path), **{"num_train": 0, "num_eval": 0, "seed": 0, **options})
     assert_names_config_keys(str(error.value))
 
 
@@ -526,14 +542,15 @@ def assert_names_config_keys(message: str) -> None:
         (
             "sudoku",
             {},
-            r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'calculator', 'guess_number', 'jsonl', "
-            r"'reverse', 'shapes'\]",
+            r"rl.task: unknown task 'sudoku'; valid tasks: \['arithmetic', 'calculator', 'dataset', 'guess_number', "
+            r"'reverse', 'shapes'\], or a task factory 'package.module:name'",
         ),
         ("arithmetic", {"path": "data.jsonl"}, "rl.task_path='data.jsonl'"),
         ("reverse", {"answer_match": "numeric"}, "rl.answer_match: .* must be 'exact'"),
         ("arithmetic", {"num_train": 0}, "rl.num_train_prompts: task 'arithmetic' needs at least 1"),
         ("arithmetic", {"num_eval": -1}, "rl.num_eval_prompts=-1"),
-        ("jsonl", {}, "rl.task_path: task 'jsonl' needs a .jsonl file"),
+        ("arithmetic", {"eval_path": "e.jsonl"}, "rl.eval_task_path='e.jsonl'"),
+        ("dataset", {}, "rl.task_path: task 'dataset' needs a .jsonl, .json or .parquet file"),
     ],
 )
 def test_unused_or_invalid_options_are_rejected(name, options, match):
@@ -543,7 +560,11 @@ def test_unused_or_invalid_options_are_rejected(name, options, match):
 
 
 def test_registry_names():
-    assert sorted(TASKS) == ["arithmetic", "calculator", "guess_number", "jsonl", "reverse", "shapes"]
+    assert sorted(TASKS) == ["arithmetic", "calculator", "dataset", "guess_number", "reverse", "shapes"]
     # Every SFT task is an RL task (the image ones with a question mix of their own); the
     # environments' problems are RL-only (their answers take several turns).
-    assert set(TASKS) - {"jsonl", *ENV_QUESTION_GENERATORS} == set(BUILTIN_TASKS)
+    assert (
+        set(TASKS) - {"dataset", *ENV_QUESTION_GENERATORS}
+        == set(BUILTIN_TASKS)
+        == set(GENERATED_TASKS) - set(ENV_QUESTION_GENERATORS)
+    )

@@ -46,7 +46,7 @@ def image_row(image: str, answer: str = "red") -> dict:
 
 def read(path: str, *argv: str, model: str = "vlm"):
     return read_task(
-        run_context("--rl.task", "jsonl", "--rl.task_path", path, "--rl.num_eval_prompts", "1", *argv, model=model)
+        run_context("--rl.task", "dataset", "--rl.task_path", path, "--rl.num_eval_prompts", "1", *argv, model=model)
     )
 
 
@@ -100,7 +100,18 @@ def test_prompts_with_images_need_a_vision_language_model(tmp_path):
 
 
 def test_shapes_prompts_carry_their_images():
-    data = read_task(run_context("--rl.task", "shapes", "--rl.num_train_prompts", "8", "--rl.num_eval_prompts", "4"))
+    data = read_task(
+        run_context(
+            "--rl.task",
+            "shapes",
+            "--rl.num_train_prompts",
+            "8",
+            "--rl.num_eval_prompts",
+            "4",
+            "--rl.eval_interval",
+            "5",
+        )
+    )
     assert len(data.train_images) == 8 and len(data.eval_images) == 4
     assert all(len(images) >= 1 for images in [*data.train_images, *data.eval_images])
     assert data.train_images[0][0].where.startswith("shapes train #0")

@@ -421,11 +421,24 @@ class LoRA:
 class RL:
     """GRPO (job.recipe = "grpo"): prompts, rewards, advantages, updates, evaluation."""
 
-    task: Literal["arithmetic", "reverse", "calculator", "guess_number", "shapes", "jsonl"] = "arithmetic"
-    """Verifiable task: a built-in one, or jsonl (rows {"prompt" | "messages", "answer"} in
-    rl.task_path; messages may hold images, for a vision-language model). calculator and
+    task: str = "arithmetic"
+    """Verifiable task: a built-in one (arithmetic, reverse, calculator, guess_number, shapes),
+    dataset (rows {"prompt" | "messages", "answer", ...} of rl.task_path; messages may hold
+    images, for a vision-language model), or a user's task factory "package.module:function"
+    (called at start-up with the keywords among seed, task_path, num_train_prompts and
+    num_eval_prompts it declares; returns an object with train_problems, eval_problems,
+    optionally spare_problems, and reward(problem, completion, stopped)). calculator and
     guess_number are the problems of the environments of those names (rl.env); shapes asks the
     colour, the shape or the number of shapes drawn in fresh images (model.name = "vlm")."""
+
+    reward_fn: str = ""
+    """A user's reward function "package.module:function", replacing the task's verifier:
+    called as fn(problem, completion, stopped) with the Problem (its messages, answer, source and,
+    for a dataset row, its other columns in problem.extra), the completion's text without its
+    stop token and whether it stopped on a stop token. Returns a number, or a dict of named
+    numbers whose sum is the reward, each logged as rl/reward_<name>. A completion is correct
+    (pass@k) when a "correct" component of 0 or 1 says so, else when its reward is >= 1.
+    Imported and checked at start-up; "" keeps the task's verifier."""
 
     env: str = ""
     """Multi-turn environment: a built-in one (calculator, guess_number) or a user's class as
@@ -440,19 +453,27 @@ class RL:
     """With rl.env: the most turns of the policy per episode."""
 
     task_path: str = ""
-    """The .jsonl file (or directory of them) of the jsonl task."""
+    """The rows of rl.task = "dataset": a .jsonl, .json or .parquet file, or a directory of files
+    of one format (e.g. written by datasets' to_json / to_parquet); offered to a task factory too."""
+
+    eval_task_path: str = ""
+    """rl.task = "dataset": a file (or directory) of held-out rows to evaluate on, instead of
+    holding rl.num_eval_prompts rows of rl.task_path out; train rows that repeat one of its
+    prompts are left out of training (counted in the log)."""
 
     answer_match: Literal["exact", "numeric"] = "exact"
-    """jsonl task: a completion is correct when it equals the answer (exact, after stripping
+    """dataset task: a completion is correct when it equals the answer (exact, after stripping
     whitespace) or parses as the same number (numeric)."""
 
     num_train_prompts: int = bounded(0, ge=0)
-    """Size of the training prompt pool; 0 takes every row not held out of a jsonl task, 1000
-    problems of a built-in one. A small pool (e.g. 8) is what a tiny model can visibly learn
+    """Size of the training prompt pool; 0 takes every row not held out of a dataset task, 1000
+    problems of a built-in one (a task factory gets it as num_train_prompts). A small pool (e.g. 8) is what a tiny model can visibly learn
     by RL in minutes."""
 
-    num_eval_prompts: int = bounded(64, ge=1)
-    """Held-out prompts for evaluation (never in the training pool)."""
+    num_eval_prompts: int = bounded(64, ge=0)
+    """Held-out prompts for evaluation (never in the training pool). With rl.eval_interval = 0
+    none are held out: a dataset task trains on every row. With rl.eval_task_path, how many of
+    its rows to evaluate on (a seeded draw; 0: all)."""
 
     partial_credit: float = bounded(0.0, ge=0)
     """Weight of the partial reward of a wrong answer (matching characters in place, 0..1)."""
@@ -520,10 +541,19 @@ class RL:
 
     sft_warmup_steps: int = bounded(0, ge=0)
     """SFT steps before RL on answered problems of the task that are neither RL training nor
-    held-out prompts: fresh problems of a built-in task; for rl.task = "jsonl", the rows left out
-    of rl.num_train_prompts (an error when none are). Run only when the run starts from scratch
-    (no checkpoint to resume, no checkpoint.initial_load_path): a random model never earns a
-    reward."""
+    held-out prompts: fresh problems of a built-in task; for a dataset task or a task factory,
+    the rows left out of rl.num_train_prompts or the factory's spare_problems (an error when
+    there are none). Run only when the run starts from scratch (no checkpoint to resume, no
+    checkpoint.initial_load_path; with rl.sft_warmup_only also from initial_load_path's
+    weights): a random model never earns a reward."""
+
+    sft_warmup_only: bool = False
+    """Run the SFT warm-up (and, with rl.eval_interval > 0, the held-out evaluation of its
+    result at step 0), save the warmed-up model as checkpoint step-0 and exit, without RL. The
+    save is model only, in checkpoint.export_dtype, in Hugging Face format with
+    checkpoint.last_save_in_hf (needs checkpoint.enable). A GRPO run starts from it with
+    checkpoint.initial_load_path = "<job.dump_folder>/<checkpoint.folder>/step-0" (and
+    checkpoint.initial_load_in_hf for the Hugging Face form)."""
 
     sft_warmup_batch_size: int = bounded(32, ge=1)
     """Sequences per SFT warm-up step (over all ranks; divisible by the data-parallel degree)."""

@@ -208,14 +208,7 @@ def _check_recipe(cfg) -> None:
         raise ValueError("loss.kl_coef: the KL penalty needs the reference model; set rl.use_reference = true")
     if rl.use_reference and loss.kl_coef == 0:
         raise ValueError("rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0")
-    if (rl.task == "jsonl") != bool(rl.task_path):
-        raise ValueError(
-            "rl.task_path: set it to the .jsonl file (or directory) of rl.task = 'jsonl'"
-            if rl.task == "jsonl"
-            else f"rl.task_path: only used with rl.task = 'jsonl', but rl.task = {rl.task!r}"
-        )
-    if rl.answer_match != "exact" and rl.task != "jsonl":
-        raise ValueError(f"rl.answer_match: only used with rl.task = 'jsonl' (built-in {rl.task!r} matches exactly)")
+    _check_task(cfg)
     if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_model_only:
         raise ValueError(
             "checkpoint.initial_load_model_only: job.recipe = 'grpo' starts from another run's model weights "
@@ -240,6 +233,55 @@ def _check_recipe(cfg) -> None:
         )
     _check_rollout_correction(rl)
     _check_dapo(rl, generation)
+
+
+def _check_task(cfg) -> None:
+    """Which task keys go with which task, and what evaluation and the warm-up need."""
+    from torchtitan_rl.rl.plugins import is_import_path
+    from torchtitan_rl.rl.tasks import TASKS
+
+    rl = cfg.rl
+    is_factory = is_import_path(rl.task)
+    if rl.task not in TASKS and not is_factory:
+        raise ValueError(
+            f"rl.task: unknown task {rl.task!r}; valid tasks: {sorted(TASKS)}, or a task factory "
+            "'package.module:function'"
+        )
+    if rl.task == "dataset" and not rl.task_path:
+        raise ValueError(
+            "rl.task_path: set it to the .jsonl, .json or .parquet file (or directory) of rl.task = 'dataset'"
+        )
+    if rl.task_path and rl.task != "dataset" and not is_factory:
+        raise ValueError(
+            f"rl.task_path: only used with rl.task = 'dataset' or a task factory, but rl.task = {rl.task!r}"
+        )
+    if rl.eval_task_path and rl.task != "dataset":
+        raise ValueError(f"rl.eval_task_path: only used with rl.task = 'dataset', but rl.task = {rl.task!r}")
+    if rl.eval_task_path and not rl.eval_interval:
+        raise ValueError("rl.eval_task_path: only used with evaluation; set rl.eval_interval > 0")
+    if rl.eval_interval and not rl.num_eval_prompts and not rl.eval_task_path:
+        raise ValueError(
+            f"rl.num_eval_prompts = 0: rl.eval_interval={rl.eval_interval} evaluates on held-out prompts; hold some "
+            "out (rl.num_eval_prompts >= 1), name a file of them (rl.eval_task_path), or set rl.eval_interval = 0"
+        )
+    defaults = type(rl)()
+    if rl.reward_fn:
+        if rl.env:
+            raise ValueError("rl.reward_fn: with rl.env the environment rewards each episode; leave rl.reward_fn empty")
+        for key in ("partial_credit", "format_reward", "answer_match"):
+            if getattr(rl, key) != getattr(defaults, key):
+                raise ValueError(f"rl.{key}: sets the task's verifier, which rl.reward_fn = {rl.reward_fn!r} replaces")
+    elif rl.answer_match != "exact" and rl.task != "dataset":
+        raise ValueError(f"rl.answer_match: only used with rl.task = 'dataset' ({rl.task!r} matches exactly)")
+    if rl.sft_warmup_only:
+        if not rl.sft_warmup_steps:
+            raise ValueError("rl.sft_warmup_only: set rl.sft_warmup_steps >= 1 (the warm-up is all this run does)")
+        if not cfg.checkpoint.enable:
+            raise ValueError(
+                "rl.sft_warmup_only: the run saves the warmed-up model and exits; set checkpoint.enable = true"
+            )
+        if cfg.parallelism.rollout_ranks:
+            raise ValueError("parallelism.rollout_ranks: rl.sft_warmup_only runs no RL step, so nothing to generate")
 
 
 def _check_rollout_correction(rl) -> None:
@@ -315,7 +357,8 @@ def _check_lora(cfg) -> None:
 
 def _check_checkpoint(cfg) -> None:
     ckpt = cfg.checkpoint
-    if ckpt.last_save_in_hf and not ckpt.last_save_model_only:
+    # The warm-up's save (rl.sft_warmup_only) is model only anyway.
+    if ckpt.last_save_in_hf and not ckpt.last_save_model_only and not cfg.rl.sft_warmup_only:
         raise ValueError(
             "checkpoint.last_save_in_hf: a Hugging Face save holds only the model weights; "
             "set checkpoint.last_save_model_only = true as well"

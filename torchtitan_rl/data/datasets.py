@@ -44,20 +44,20 @@ def _hf_datasets():
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def _data_files(dataset_path: str) -> list[Path]:
+def _data_files(dataset_path: str, key: str) -> list[Path]:
     path = Path(dataset_path)
     if not path.exists():
-        raise ValueError(f"training.dataset_path={dataset_path!r} does not exist")
+        raise ValueError(f"{key}={dataset_path!r} does not exist")
     if path.is_file():
         if path.suffix not in _BUILDERS:
             raise ValueError(f"unsupported dataset file {dataset_path!r}: expected one of {sorted(_BUILDERS)}")
         return [path]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
     if not files:
-        raise ValueError(f"training.dataset_path={dataset_path!r} is a directory with no {sorted(_BUILDERS)} files")
+        raise ValueError(f"{key}={dataset_path!r} is a directory with no {sorted(_BUILDERS)} files")
     builders = {_BUILDERS[f.suffix] for f in files}
     if len(builders) > 1:
-        raise ValueError(f"training.dataset_path={dataset_path!r} mixes JSON and parquet files; use one format")
+        raise ValueError(f"{key}={dataset_path!r} mixes JSON and parquet files; use one format")
     return files
 
 
@@ -173,8 +173,8 @@ def _load_json(files: list[Path], cache_dir: str | None, timeout_s: float) -> Fi
     return FileRows(table, [str(f) for f in files])
 
 
-def _load_files(dataset_path: str, cache_dir: str | None, timeout_s: float) -> Sequence[dict[str, Any]]:
-    files = _data_files(dataset_path)
+def _load_files(dataset_path: str, cache_dir: str | None, timeout_s: float, key: str) -> Sequence[dict[str, Any]]:
+    files = _data_files(dataset_path, key)
     if files[0].suffix == ".parquet":
         return _load_parquet(files, cache_dir, timeout_s)
     # JSON goes through our reader: it keeps each row's file and line (errors, image paths) and
@@ -202,19 +202,20 @@ def load_rows(
     seed: int,
     cache_dir: str | None = None,
     cache_timeout_s: float = 3600,
+    key: str = "training.dataset_path",
 ) -> Sequence[dict[str, Any]]:
     """The rows of the training set, indexable by position (``data.rows.FileRows`` for JSON
     files, ``ParquetRows`` for parquet files).
 
     ``dataset_path`` (a file or a directory of files, all one split) wins over ``dataset``,
     which names a built-in task (``num_synthetic_samples`` rows from ``seed``) or a cached
-    hub dataset (its ``split``). Files are prepared into ``cache_dir`` once per node
+    hub dataset (its ``split``); ``key`` is the config key errors name ``dataset_path`` by. Files are prepared into ``cache_dir`` once per node
     (``data.row_cache``; other local ranks wait up to ``cache_timeout_s``), or into this
     process's memory when it is None.
     """
     if dataset_path:
-        rows = _load_files(dataset_path, cache_dir, cache_timeout_s)
-        source = f"training.dataset_path={dataset_path!r}"
+        rows = _load_files(dataset_path, cache_dir, cache_timeout_s, key)
+        source = f"{key}={dataset_path!r}"
     elif dataset in BUILTIN_TASKS:
         rows = BUILTIN_TASKS[dataset](num_synthetic_samples, seed)
         source = f"built-in task {dataset!r} with {num_synthetic_samples} synthetic samples"

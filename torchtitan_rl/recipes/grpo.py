@@ -46,6 +46,7 @@ from torchtitan_rl.recipes.grpo_data import (
     first_messages,
     read_task,
     sampling_params,
+    warms_up,
 )
 from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
@@ -72,7 +73,7 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.step_sampler import StepSampler, completion_text, timed
-from torchtitan_rl.rl.tasks import answered_rows, build_task
+from torchtitan_rl.rl.tasks import GENERATED_TASKS, answered_rows, build_task
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +164,14 @@ class GRPORecipe(Recipe):
         LoRA: checked to be the base).
         Then start the rollout ranks, if any, from the policy RL continues with."""
         resumed = super().setup()
+        if resumed and self.job_config.rl.sft_warmup_only:
+            raise ValueError(
+                f"rl.sft_warmup_only: {self.checkpointer.folder} already holds a training checkpoint of step "
+                f"{self.train_state.step}, which this run would resume instead of warming up; use another "
+                "job.dump_folder (or checkpoint.folder)"
+            )
         if not resumed:
-            if self.job_config.rl.sft_warmup_steps and not self.job_config.checkpoint.initial_load_path:
+            if warms_up(self.job_config):
                 self._sft_warmup()
             if self.reference is not None:
                 with torch.no_grad():
@@ -245,7 +252,7 @@ class GRPORecipe(Recipe):
 
     def _warmup_rows(self) -> list[dict]:
         rl = self.job_config.rl
-        if rl.task == "jsonl":
+        if rl.task not in GENERATED_TASKS:
             return self._answered(self.task.spare_problems)
         # Other problems of the built-in task, none of them an RL or held-out prompt: the warm-up
         # teaches the format and some skill, RL still has to find the pool's answers.
@@ -272,6 +279,9 @@ class GRPORecipe(Recipe):
 
     def train(self) -> None:
         cfg = self.job_config
+        if cfg.rl.sft_warmup_only:
+            self._save_warmed_up()
+            return
         steps = cfg.training.steps
         first = self.train_state.step + 1
         logger.info("RL steps %d..%d on %d training rank(s)", first, steps, self.parallel_dims.world_size)
@@ -303,6 +313,17 @@ class GRPORecipe(Recipe):
         self.checkpointer.wait()
         if self.rollout_client is not None:
             self.rollout_client.finish()
+
+    def _save_warmed_up(self) -> None:
+        """``rl.sft_warmup_only``: evaluate the warmed-up policy (when evaluation is on) and save it
+        as the model-only checkpoint step-0, the start of later GRPO runs."""
+        if self.job_config.rl.eval_interval:
+            values = self.evaluate(0)
+            if self.rank == 0:
+                logger.info("step: 0  eval/pass@1: %.4f", values["eval/pass@1"])
+            self.metrics.write_scalars(0, values)
+        self.checkpointer.save_model(0)
+        logger.info("rl.sft_warmup_only: saved the warmed-up model; no RL step runs")
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg = self.job_config

@@ -20,10 +20,10 @@ from torchtitan_rl.recipes.base import (
 )
 from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import PromptImages, SamplingParams, TorchGenerator
-from torchtitan_rl.rl.tasks import Problem, Task, build_task
+from torchtitan_rl.rl.tasks import GENERATED_TASKS, Problem, Task, build_task
 
 GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a built-in task
+_BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a task that draws its problems
 
 
 @dataclass(frozen=True)
@@ -53,27 +53,31 @@ def read_task(run: RunContext) -> TaskData:
             f"{per_minibatch} prompts per mini-batch is not divisible by the data-parallel degree "
             f"{dims.batch_degree} (dp_replicate * dp_shard)"
         )
-    warmup = rl.sft_warmup_steps and not cfg.checkpoint.initial_load_path
+    warmup = warms_up(cfg)
     if warmup:
         check_divisible_by_data_parallel("rl.sft_warmup_batch_size", rl.sft_warmup_batch_size, dims)
-        check_lora_reference(cfg)
-    num_train = rl.num_train_prompts or (0 if rl.task == "jsonl" else _BUILTIN_POOL_SIZE)
+        if not rl.sft_warmup_only:
+            check_lora_reference(cfg)
+    generated = rl.task in GENERATED_TASKS
     task = build_task(
         rl.task,
         path=rl.task_path,
-        num_train=num_train,
-        num_eval=rl.num_eval_prompts,
+        eval_path=rl.eval_task_path,
+        num_train=rl.num_train_prompts or (_BUILTIN_POOL_SIZE if generated else 0),
+        # Rows held out for an evaluation that never runs would only be lost to training.
+        num_eval=rl.num_eval_prompts if rl.eval_interval else 0,
         seed=cfg.debug.seed,
         partial_credit=rl.partial_credit,
         format_reward=rl.format_reward,
         answer_match=rl.answer_match,
+        reward_fn=rl.reward_fn,
     )
-    if warmup and rl.task == "jsonl" and not task.spare_problems:
+    if warmup and not generated and not task.spare_problems:
         # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
         raise ValueError(
-            f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task 'jsonl' trains on rows outside "
-            f"the RL pool and the held-out prompts, and rl.num_train_prompts={rl.num_train_prompts} leaves none "
-            f"of the {len(task.train_problems)} candidate rows of {rl.task_path!r}; set "
+            f"rl.sft_warmup_steps={rl.sft_warmup_steps}: the warm-up of task {rl.task!r} trains on problems outside "
+            f"the RL pool and the held-out prompts (a dataset's rows left out of rl.num_train_prompts, a task "
+            f"factory's spare_problems), and there are none besides the {len(task.train_problems)} RL prompts; set "
             "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
         )
     tokenizer = run.tokenizer
@@ -116,6 +120,13 @@ def read_task(run: RunContext) -> TaskData:
     return TaskData(task, [t for t, _ in train], [t for t, _ in evaluation], stop_token_ids, env_class, vision, *images)
 
 
+def warms_up(job_config: JobConfig) -> bool:
+    """Whether a run that does not resume starts with the SFT warm-up: when it has steps and the
+    run starts from scratch, or it is the warm-up alone (which may start from initial weights)."""
+    rl = job_config.rl
+    return bool(rl.sft_warmup_steps) and (not job_config.checkpoint.initial_load_path or rl.sft_warmup_only)
+
+
 def check_lora_reference(job_config: JobConfig) -> None:
     """With LoRA the reference policy is the policy's own model with its adapters skipped: the
     base. That is the policy RL starts from only while the adapters add nothing; an SFT warm-up
@@ -126,7 +137,8 @@ def check_lora_reference(job_config: JobConfig) -> None:
         raise ValueError(
             f"rl.sft_warmup_steps={cfg.rl.sft_warmup_steps} with lora.enable and rl.use_reference: the warm-up "
             "trains the adapters, and the KL reference (the base, adapters off) would not be the policy RL starts "
-            "from. Warm up in a run of its own and start from its merged export (checkpoint.initial_load_path), "
+            "from. Warm up in a run of its own (rl.sft_warmup_only) and start from its merged export "
+            "(checkpoint.initial_load_path), "
             "or set rl.sft_warmup_steps = 0, or loss.kl_coef = 0 and rl.use_reference = false"
         )
 

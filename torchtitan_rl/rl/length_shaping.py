@@ -10,8 +10,7 @@ penalty is added to the reward before the group advantages, and kept as the rewa
 import dataclasses
 
 from torchtitan_rl.rl.tasks import Reward
-
-OVERLONG_COMPONENT = "overlong"
+from torchtitan_rl.rl.tasks.rewards import OVERLONG_COMPONENT
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:

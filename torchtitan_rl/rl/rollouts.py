@@ -25,8 +25,9 @@ from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_row
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout
 from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
-from torchtitan_rl.rl.length_shaping import OVERLONG_COMPONENT, is_penalized
+from torchtitan_rl.rl.length_shaping import is_penalized
 from torchtitan_rl.rl.tasks import Reward
+from torchtitan_rl.rl.tasks.rewards import OVERLONG_COMPONENT
 
 
 class PromptStream:
@@ -431,12 +432,31 @@ def rollout_sums(
     return sums, longest, components
 
 
+def _same_components(components: dict[str, float], has_rollouts: bool, batch_mesh: DeviceMesh) -> dict[str, float]:
+    """``components`` in an order every rank of ``batch_mesh`` shares (collective), so their sums
+    can be reduced as one tensor; a reward function that names its components differently on two
+    ranks is a ValueError on every rank alike (a mean over the rollouts that have a component would
+    not be one over the step)."""
+    gathered: list = [None] * batch_mesh.size()
+    dist.all_gather_object(gathered, sorted(components) if has_rollouts else None, group=batch_mesh.get_group())
+    seen = {tuple(names) for names in gathered if names is not None}
+    if len(seen) > 1:
+        raise ValueError(
+            f"the reward components differ between ranks ({' vs '.join(str(list(n)) for n in sorted(seen))}); a "
+            "reward function must return the same component names for every completion"
+        )
+    names = seen.pop() if seen else ()
+    return {name: components.get(name, 0.0) for name in names}
+
+
 def rollout_metrics(
     sums: dict[str, float], longest: float, components: dict[str, float], batch_mesh: DeviceMesh | None
 ) -> dict[str, float]:
     """Global ``rl/*`` rollout metrics: every ratio is Σ numerator / Σ denominator over the step.
     ``rl/overlong/penalized`` appears with the overlong reward component, ``rl/masked_truncated``
     (a count) when ``sums`` has it."""
+    if batch_mesh is not None:
+        components = _same_components(components, sums["num_rollouts"] > 0, batch_mesh)
     names = list(sums) + [f"reward_{c}" for c in components]
     values = torch.tensor(list(sums.values()) + list(components.values()), dtype=torch.float64)
     longest_t = torch.tensor([longest], dtype=torch.float64)

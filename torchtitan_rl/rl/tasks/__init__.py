@@ -2,64 +2,103 @@
 
 ``build_task`` is the one entry point; ``TASKS`` maps each task name to the builder of its
 ``(train, eval, spare)`` problem pools: the built-in text tasks, ``shapes`` (prompts with
-images, for a vision-language policy) and ``jsonl`` (a user's files, optionally with images).
-Reward formulas are in ``torchtitan_rl.rl.tasks.rewards``.
+images, for a vision-language policy) and ``dataset`` (a user's files, optionally with images).
+A task may also be a user's factory named by import path, and any task's verifier may be
+replaced by a user's reward function (``plugin``). Reward formulas are in
+``torchtitan_rl.rl.tasks.rewards``.
 """
 
 from collections.abc import Callable
 from functools import partial
 
 from torchtitan_rl.data.questions import ENV_QUESTION_GENERATORS, QUESTION_GENERATORS
+from torchtitan_rl.rl.plugins import is_import_path
 from torchtitan_rl.rl.tasks.builtin import builtin_problem_pools, generated_problem_pools
-from torchtitan_rl.rl.tasks.jsonl import jsonl_problem_pools
+from torchtitan_rl.rl.tasks.dataset import dataset_problem_pools
+from torchtitan_rl.rl.tasks.plugin import PluginTask, load_reward_function, load_task
 from torchtitan_rl.rl.tasks.rewards import ANSWER_MATCHES, Reward, RewardSpec
 from torchtitan_rl.rl.tasks.shapes import shapes_stream
 from torchtitan_rl.rl.tasks.task import Problem, Task, VerifiableTask, answered_rows
 
 ProblemPoolBuilder = Callable[..., tuple[list[Problem], list[Problem], list[Problem]]]
-"""Called with keywords path, num_train, num_eval, seed, answer_match; rejects the ones it does not use."""
+"""Called with keywords path, eval_path, num_train, num_eval, seed, answer_match and
+answer_required; rejects the options it does not use."""
 
-TASKS: dict[str, ProblemPoolBuilder] = {
+GENERATED_TASKS: dict[str, ProblemPoolBuilder] = {
     **{
         name: partial(builtin_problem_pools, name, generate)
         for name, generate in {**QUESTION_GENERATORS, **ENV_QUESTION_GENERATORS}.items()
     },
     "shapes": partial(generated_problem_pools, "shapes", shapes_stream),
-    "jsonl": jsonl_problem_pools,
 }
+"""Built-in tasks that draw fresh problems from seeded streams (their warm-up draws more)."""
+TASKS: dict[str, ProblemPoolBuilder] = {**GENERATED_TASKS, "dataset": dataset_problem_pools}
 
 
 def build_task(
     name: str,
     *,
     path: str = "",
+    eval_path: str = "",
     num_train: int,
     num_eval: int,
     seed: int,
     partial_credit: float = 0.0,
     format_reward: float = 0.0,
     answer_match: str = "exact",
+    reward_fn: str = "",
 ) -> Task:
     """The task ``name`` with ``num_train`` train and ``num_eval`` held-out problems drawn from ``seed``.
 
-    ``path`` is the file or directory of the ``jsonl`` task; ``partial_credit``, ``format_reward``
-    and ``answer_match`` set the reward (see ``rewards``). The arguments are the ``[rl]`` keys
-    task, task_path, num_train_prompts, num_eval_prompts, ..., and errors name those keys.
+    ``name`` is one of ``TASKS`` or a factory's import path (``plugin.load_task``). ``path`` and
+    ``eval_path`` are the files of the ``dataset`` task (or ``path`` is offered to a factory);
+    ``partial_credit``, ``format_reward`` and ``answer_match`` set the built-in verifier (see
+    ``rewards``), which the function ``reward_fn`` names replaces. The arguments are the ``[rl]``
+    keys task, task_path, eval_task_path, num_train_prompts, num_eval_prompts, ..., and errors
+    name those keys.
     """
-    if name not in TASKS:
-        raise ValueError(f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}")
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"rl.num_train_prompts={num_train} and rl.num_eval_prompts={num_eval} must be >= 0")
+    reward_function = load_reward_function(reward_fn) if reward_fn else None
+    # Checked before any file is read.
     reward_spec = RewardSpec(partial_credit=partial_credit, format_reward=format_reward, answer_match=answer_match)
+    if is_import_path(name):
+        if eval_path:
+            raise ValueError(
+                f"rl.eval_task_path: only used with rl.task = 'dataset'; the factory {name!r} makes the eval problems"
+            )
+        return load_task(
+            name,
+            task_path=path,
+            num_train=num_train,
+            num_eval=num_eval,
+            seed=seed,
+            reward_function=reward_function,
+            builtins=f"task ({', '.join(sorted(TASKS))})",
+        )
+    if name not in TASKS:
+        raise ValueError(
+            f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}, or a task factory 'package.module:name'"
+        )
     train, eval_problems, spare = TASKS[name](
-        path=path, num_train=num_train, num_eval=num_eval, seed=seed, answer_match=answer_match
+        path=path,
+        eval_path=eval_path,
+        num_train=num_train,
+        num_eval=num_eval,
+        seed=seed,
+        answer_match=answer_match,
+        answer_required=reward_function is None,
     )
+    if reward_function is not None:
+        return PluginTask(name, tuple(train), tuple(eval_problems), reward_function, tuple(spare))
     return VerifiableTask(name, tuple(train), tuple(eval_problems), reward_spec, tuple(spare))
 
 
 __all__ = [
     "ANSWER_MATCHES",
+    "GENERATED_TASKS",
     "TASKS",
+    "PluginTask",
     "Problem",
     "answered_rows",
     "Reward",

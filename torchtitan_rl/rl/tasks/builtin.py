@@ -47,18 +47,21 @@ def generated_problem_pools(
     streams: CandidateStreams,
     *,
     path: str,
+    eval_path: str,
     num_train: int,
     num_eval: int,
     seed: int,
     answer_match: str,
+    answer_required: bool,
 ) -> tuple[list[Problem], list[Problem], list[Problem]]:
     """``(train, eval, spare)`` problems of the built-in task ``task_name``, whose candidates
     ``streams`` draws (no spare ones: a stream can always draw more); rejects options it does
-    not use."""
-    if path:
-        raise ValueError(
-            f"rl.task_path: task {task_name!r} is built in and reads no file, but rl.task_path={path!r}; leave it empty"
-        )
+    not use. Every problem has an answer, whatever ``answer_required``."""
+    for key, value in (("rl.task_path", path), ("rl.eval_task_path", eval_path)):
+        if value:
+            raise ValueError(
+                f"{key}: task {task_name!r} is built in and reads no file, but {key}={value!r}; leave it empty"
+            )
     if answer_match != "exact":
         raise ValueError(
             f"rl.answer_match: task {task_name!r} has exact answers, so it must be 'exact', got {answer_match!r}"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 ANSWER_MATCHES = ("exact", "numeric")
 NUMERIC_RELATIVE_TOLERANCE = 1e-6
+OVERLONG_COMPONENT = "overlong"
+"""The component of the overlong length penalty (``rl/length_shaping.py``)."""
 _DECIMAL_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 

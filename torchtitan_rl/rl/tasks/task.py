@@ -3,7 +3,7 @@
 import hashlib
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from torchtitan_rl.data.chat import image_of_part
@@ -44,6 +44,8 @@ class Problem:
     """The reference answer."""
     source: str
     """Where it came from, for error messages: ``arithmetic train #12``, ``data.jsonl:34``."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The other columns of a dataset row (``rl.reward_fn`` reads them), or what a task factory put there."""
 
     def prompt_key(self) -> tuple[tuple[str, str | tuple[PartKey, ...]], ...]:
         """The prompt as a hashable value: problems with equal keys have equal prompt tokens and images."""
@@ -80,7 +82,11 @@ class VerifiableTask:
 
 
 def answered_rows(problems: Sequence[Problem]) -> list[dict]:
-    """``problems`` with their reference answers as the assistant turn: chat rows for SFT."""
+    """``problems`` with their reference answers as the assistant turn: chat rows for SFT; a
+    problem without an answer is a ValueError naming it."""
+    for problem in problems:
+        if not problem.answer.strip():
+            raise ValueError(f"{problem.source} has no answer to train on (an SFT warm-up trains on answers)")
     # Copies: a caller editing a row must not edit the problems the RL stream samples.
     return [
         {"messages": [_copy_message(m) for m in problem.messages] + [{"role": "assistant", "content": problem.answer}]}
