@@ -302,8 +302,8 @@ BAD_INPUT = {
     ),
     "grpo_malformed_jsonl": (
         None,
-        [*GRPO, "--rl.task", "jsonl", "--rl.task_path", "{malformed}"],
-        ["{malformed}:1", "missing 'answer'"],
+        [*GRPO, "--rl.task", "dataset", "--rl.task_path", "{malformed}"],
+        ["malformed JSON", "{malformed}", "at line 2"],
     ),
     "grpo_prompt_longer_than_seq_len": (
         None,
