@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.utils import CheckpointException
 
 from torchtitan_rl.config.job_config import Checkpoint
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.lora import LoRASettings, is_adapter_key
 from torchtitan_rl.models.qwen3.args import architecture_differences
 from torchtitan_rl.models.registry import spec_for_args
@@ -255,7 +256,7 @@ class CheckpointManager:
         dataloader,
         train_state: TrainState,
         model_args,
-        tokenizer_dir: str = "",
+        export_tokenizer: ExportTokenizer | None = None,
         extra_models: dict[str, torch.nn.Module] | None = None,
         extra_states: dict[str, Stateful] | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -263,7 +264,9 @@ class CheckpointManager:
         export_merged: bool = False,
         seed: int = 0,
     ):
-        """``extra_states``: more of the training state, e.g. rollouts generated ahead.
+        """``export_tokenizer``: the run's tokenizer as a Hugging Face save writes it (its files and
+        the token ids generation stops at; None: neither). ``extra_states``: more of the training
+        state, e.g. rollouts generated ahead.
         ``process_group``: the ranks that save and load (the training ranks when GRPO has
         rollout ranks); None is the whole launch. ``lora``: the adapters ``model`` has (None:
         none); ``export_merged``: the last save in HF format adds the merged model; ``seed``: the
@@ -280,7 +283,7 @@ class CheckpointManager:
         self.folder = os.path.join(dump_folder, config.folder)
         self.model = model
         self.model_args = model_args
-        self.tokenizer_dir = tokenizer_dir
+        self.export_tokenizer = export_tokenizer
         self.train_state = train_state
         # With LoRA the frozen base is not part of the training state (see the module's doc).
         trainable = trainable_names(model) if lora is not None else None
@@ -471,13 +474,13 @@ class CheckpointManager:
         self._commit(partial, final, description)
 
     def _save_hf(self, partial: str) -> None:
-        dtype, tokenizer_dir = _EXPORT_DTYPES[self.config.export_dtype], self.tokenizer_dir or None
+        dtype, tokenizer = _EXPORT_DTYPES[self.config.export_dtype], self.export_tokenizer
         if self.lora is None:
-            save_hf_checkpoint(self.model, partial, dtype, tokenizer_dir, group=self.group)
+            save_hf_checkpoint(self.model, partial, dtype, tokenizer, group=self.group)
             return
-        save_peft_adapter(self.model, partial, self.lora, dtype, tokenizer_dir, group=self.group)
+        save_peft_adapter(self.model, partial, self.lora, dtype, tokenizer, group=self.group)
         if self.export_merged:
-            save_merged_hf(self.model, os.path.join(partial, "merged"), dtype, tokenizer_dir, group=self.group)
+            save_merged_hf(self.model, os.path.join(partial, "merged"), dtype, tokenizer, group=self.group)
 
     def _commit(self, partial: str, final: str, description: dict) -> None:
         """Rank 0: mark complete (description file, then the atomic rename), then prune."""

@@ -11,6 +11,9 @@ name the file and the key, dtypes are cast on the way in, tied checkpoints witho
 A model with LoRA adapters (``models.lora``) is a plain model here: its base loads as any model
 does and the adapters keep their values. Exporting it plainly would silently drop the adapters,
 so ``save_hf_checkpoint`` refuses; ``peft_checkpoint`` writes the adapters or the merged model.
+
+An export given the run's tokenizer (``hf_tokenizer_files.ExportTokenizer``) is a complete HF
+model: tokenizer files, chat template and the token ids generation stops at.
 """
 
 import contextlib
@@ -28,22 +31,26 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtitan_rl.compat import local_shard_bounds
 from torchtitan_rl.distributed.fsdp import reshard
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer, byte_tokenizer_config, byte_tokenizer_json
 from torchtitan_rl.models.lora import is_adapter_key, lora_modules
 from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 # Copied into an export when present beside tokenizer.json, so the export is a complete HF model.
+# A generation_config.json is not copied as it is: the export sets the run's token ids in it.
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
+    TOKENIZER_FILE,
+    TOKENIZER_CONFIG_FILE,
     "special_tokens_map.json",
     "added_tokens.json",
     "vocab.json",
     "merges.txt",
     "chat_template.jinja",
-    "generation_config.json",
 )
 
 
@@ -93,7 +100,7 @@ def save_hf_checkpoint(
     model: nn.Module,
     path: str,
     dtype: torch.dtype,
-    tokenizer_dir: str | None = None,
+    tokenizer: ExportTokenizer | None = None,
     max_shard_bytes: int = 5 * 2**30,
     group: dist.ProcessGroup | None = None,
 ) -> None:
@@ -105,9 +112,10 @@ def save_hf_checkpoint(
     tensors (under expert parallel, each expert's owner writes its experts' files: see
     ``_writer``). Weights are cast to
     ``dtype``, written as ``model.safetensors`` or, above ``max_shard_bytes``, as numbered shards
-    with ``model.safetensors.index.json``, next to ``config.json`` and the tokenizer files of
-    ``tokenizer_dir``. Everything is written into a hidden folder beside ``path`` and renamed at
-    the end, so a crash never leaves a partial export at ``path``. Returns once the export is there.
+    with ``model.safetensors.index.json``, next to ``config.json`` and, given the run's
+    ``tokenizer``, its files and token ids (``write_tokenizer_files``). Everything is written
+    into a hidden folder beside ``path`` and renamed at the end, so a crash never leaves a
+    partial export at ``path``. Returns once the export is there.
     A model with LoRA adapters is refused (ValueError): see ``peft_checkpoint``.
     """
     if lora_modules(model):
@@ -117,7 +125,7 @@ def save_hf_checkpoint(
             "drop; export the adapters (peft_checkpoint.save_peft_adapter) or the merged model "
             "(peft_checkpoint.save_merged_hf)"
         )
-    export_hf(model, path, dtype, hf_sources, tokenizer_dir, max_shard_bytes, group)
+    export_hf(model, path, dtype, hf_sources, tokenizer, max_shard_bytes, group)
 
 
 @torch.no_grad()
@@ -126,14 +134,14 @@ def export_hf(
     path: str,
     dtype: torch.dtype,
     sources: Callable[[nn.Module], dict[str, tuple]],
-    tokenizer_dir: str | None = None,
+    tokenizer: ExportTokenizer | None = None,
     max_shard_bytes: int = 5 * 2**30,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """``save_hf_checkpoint`` with the tensors ``sources(model)`` gives (HF key -> (source, index),
     see ``hf_sources``). A source is a tensor, a DTensor, or any object with ``shape``,
     ``numel()`` and a collective ``full_tensor()`` (e.g. a weight merged with its adapters)."""
-    _check_export_target(path, tokenizer_dir)
+    _check_export_target(path, tokenizer)
     if dist.is_initialized():
         # Rank 0 may finish the export before a slow rank checked the target: under HSDP each
         # replica group gathers on its own, so nothing else holds rank 0 back.
@@ -154,7 +162,7 @@ def export_hf(
         if any(writers.values()):
             dist.barrier(group=group)  # every file is written before rank 0 completes the export
         if rank == 0:
-            _write_metadata(staging, model.args, dtype, sum(sizes.values()), shards, tokenizer_dir)
+            _write_metadata(staging, model.args, dtype, sum(sizes.values()), shards, tokenizer)
             os.rename(staging, path)
     except BaseException:
         if rank == 0:
@@ -278,12 +286,15 @@ def _load_block(param: torch.Tensor, handle, key: str, file: str, index: int | N
 # ---------------------------------------------------------------- saving
 
 
-def _check_export_target(path: str, tokenizer_dir: str | None) -> None:
+def _check_export_target(path: str, tokenizer: ExportTokenizer | None) -> None:
     # On every rank before any collective, so a bad argument fails all ranks alike.
     if os.path.lexists(path):
         raise ValueError(f"export path {path!r} already exists; Hugging Face exports are never overwritten")
-    if tokenizer_dir is not None and not os.path.isfile(os.path.join(tokenizer_dir, "tokenizer.json")):
-        raise ValueError(f"tokenizer_dir {tokenizer_dir!r} has no tokenizer.json to copy into the export")
+    source = tokenizer.source_dir if tokenizer is not None else None
+    if source is not None:
+        if not os.path.isfile(os.path.join(source, TOKENIZER_FILE)):
+            raise ValueError(f"tokenizer directory {source!r} has no {TOKENIZER_FILE} to copy into the export")
+        _source_generation_config(tokenizer)  # a broken file fails every rank here, not rank 0 alone later
 
 
 def _plan_shards(
@@ -388,7 +399,7 @@ def _write_metadata(
     dtype: torch.dtype,
     total_bytes: int,
     shards: dict[str, tuple[int, list[str]]],
-    tokenizer_dir: str | None,
+    tokenizer: ExportTokenizer | None,
 ) -> None:
     if len(shards) > 1:
         index = {
@@ -396,15 +407,40 @@ def _write_metadata(
             "weight_map": {key: file_name for file_name, (_, keys) in shards.items() for key in keys},
         }
         _write_json(os.path.join(staging, INDEX_FILE), index)
-    _write_json(os.path.join(staging, CONFIG_FILE), args.to_hf_config(str(dtype).removeprefix("torch.")))
-    copy_tokenizer_files(tokenizer_dir, staging)
+    config = args.to_hf_config(str(dtype).removeprefix("torch."))
+    _write_json(os.path.join(staging, CONFIG_FILE), config | (tokenizer.token_ids() if tokenizer is not None else {}))
+    write_tokenizer_files(tokenizer, staging)
 
 
-def copy_tokenizer_files(tokenizer_dir: str | None, dest: str) -> None:
-    for file_name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-        source = os.path.join(tokenizer_dir, file_name)
-        if os.path.isfile(source):
-            shutil.copyfile(source, os.path.join(dest, file_name))
+def write_tokenizer_files(tokenizer: ExportTokenizer | None, dest: str) -> None:
+    """Into the directory ``dest``: the tokenizer files (written for the byte tokenizer, else
+    copied from ``tokenizer.source_dir``), then ``generation_config.json`` with the run's token
+    ids (and the other fields of the source's own, if it has one). None writes nothing."""
+    if tokenizer is None:
+        return
+    if tokenizer.source_dir is None:
+        byte_tokenizer_json().save(os.path.join(dest, TOKENIZER_FILE))
+        _write_json(os.path.join(dest, TOKENIZER_CONFIG_FILE), byte_tokenizer_config())
+    else:
+        for file_name in TOKENIZER_FILES:
+            source = os.path.join(tokenizer.source_dir, file_name)
+            if os.path.isfile(source):
+                shutil.copyfile(source, os.path.join(dest, file_name))
+    generation_config = _source_generation_config(tokenizer) | tokenizer.token_ids()
+    _write_json(os.path.join(dest, GENERATION_CONFIG_FILE), generation_config)
+
+
+def _source_generation_config(tokenizer: ExportTokenizer) -> dict:
+    """The copied tokenizer directory's own generation_config.json; {} when there is none."""
+    if tokenizer.source_dir is None:
+        return {}
+    path = os.path.join(tokenizer.source_dir, GENERATION_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return {}
+    config = _read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path!r} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _write_json(path: str, value: dict) -> None:

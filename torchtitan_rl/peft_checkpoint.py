@@ -33,10 +33,11 @@ from torchtitan_rl.hf_checkpoint import (
     _open_safetensors,
     _read_json,
     _write_json,
-    copy_tokenizer_files,
     export_hf,
     hf_sources,
+    write_tokenizer_files,
 )
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.lora import LoRASettings, is_adapter_key, lora_modules, merged_weight
 from torchtitan_rl.models.registry import spec_for_args
 
@@ -123,11 +124,12 @@ def save_peft_adapter(
     path: str,
     settings: LoRASettings,
     dtype: torch.dtype,
-    tokenizer_dir: str | None = None,
+    tokenizer: ExportTokenizer | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Write ``model``'s adapters as a PEFT LoRA directory at ``path`` (which must not exist),
-    the tensors cast to ``dtype``, with the tokenizer files of ``tokenizer_dir``.
+    the tensors cast to ``dtype``, with the files of the run's ``tokenizer`` (see
+    ``hf_checkpoint.write_tokenizer_files``).
 
     Collective like ``hf_checkpoint.save_hf_checkpoint``: every rank of ``group`` calls it, each
     adapter is gathered on every rank, global rank 0 writes into a hidden folder beside ``path``
@@ -135,7 +137,7 @@ def save_peft_adapter(
     """
     if not lora_modules(model):
         raise ValueError(f"cannot write PEFT adapter {path!r}: the model has no LoRA adapters")
-    _check_export_target(path, tokenizer_dir)
+    _check_export_target(path, tokenizer)
     if dist.is_initialized():
         dist.barrier(group=group)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
@@ -152,7 +154,7 @@ def save_peft_adapter(
         if staging is not None:
             save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
             _write_json(os.path.join(staging, ADAPTER_CONFIG_FILE), adapter_config(model, settings))
-            copy_tokenizer_files(tokenizer_dir, staging)
+            write_tokenizer_files(tokenizer, staging)
             os.rename(staging, path)
     except BaseException:
         if staging is not None:
@@ -190,13 +192,13 @@ def save_merged_hf(
     model: nn.Module,
     path: str,
     dtype: torch.dtype,
-    tokenizer_dir: str | None = None,
+    tokenizer: ExportTokenizer | None = None,
     max_shard_bytes: int = 5 * 2**30,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Export ``model`` with every adapter merged into its base weight (``W + scale * B A``, in
     float32, then cast to ``dtype``) as a plain HF model, like ``save_hf_checkpoint``."""
-    export_hf(model, path, dtype, _merged_sources, tokenizer_dir, max_shard_bytes, group)
+    export_hf(model, path, dtype, _merged_sources, tokenizer, max_shard_bytes, group)
 
 
 # ---------------------------------------------------------------- loading

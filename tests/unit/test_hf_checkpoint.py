@@ -25,6 +25,7 @@ from torchtitan_rl.hf_checkpoint import (
     read_hf_model_args,
     save_hf_checkpoint,
 )
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs, check_flavor, find_flavor, qwen3_flavors
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.models.qwen3.parallelize import check_tp_divisibility
@@ -453,9 +454,8 @@ def test_export_with_tokenizer_is_one_hf_directory(tmp_path):
     (tokenizer_dir / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
     hf = hf_model(tie=True)
     out = str(tmp_path / "export")
-    save_hf_checkpoint(
-        loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32, tokenizer_dir=str(tokenizer_dir)
-    )
+    tokenizer = ExportTokenizer.for_run(build_tokenizer(str(tokenizer_dir)), str(tokenizer_dir), ["<|im_end|>"])
+    save_hf_checkpoint(loaded(save_hf(hf, tmp_path / "hf", sharded=False)), out, torch.float32, tokenizer)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         assert (tokenizer_dir / name).read_bytes() == open(os.path.join(out, name), "rb").read()
     original, exported = build_tokenizer(str(tokenizer_dir)), build_tokenizer(out)
@@ -467,6 +467,16 @@ def test_export_with_tokenizer_is_one_hf_directory(tmp_path):
         original.eos_id,
     )
     assert read_hf_model_args(out) == small_args(tie_embeddings=True)
+    # The run stops at <|im_end|> alone: one id, written as an int.
+    for name in ("config.json", "generation_config.json"):
+        with open(os.path.join(out, name)) as f:
+            config = json.load(f)
+        ids = {key: config[key] for key in ("eos_token_id", "pad_token_id", "bos_token_id")}
+        assert ids == {
+            "eos_token_id": original.im_end_id,
+            "pad_token_id": original.eos_id,
+            "bos_token_id": original.eos_id,
+        }
 
 
 def test_export_refuses_bad_targets_and_leaves_nothing_on_failure(tmp_path, monkeypatch):
@@ -474,7 +484,7 @@ def test_export_refuses_bad_targets_and_leaves_nothing_on_failure(tmp_path, monk
     with pytest.raises(ValueError, match="already exists"):
         save_hf_checkpoint(model, str(tmp_path / "hf"), torch.float32)
     with pytest.raises(ValueError, match="no tokenizer.json"):
-        save_hf_checkpoint(model, str(tmp_path / "export"), torch.float32, tokenizer_dir=str(tmp_path))
+        save_hf_checkpoint(model, str(tmp_path / "export"), torch.float32, ExportTokenizer(str(tmp_path), (2,), 0))
 
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")

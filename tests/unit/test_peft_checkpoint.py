@@ -13,10 +13,12 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
 
+from torchtitan_rl.data.tokenizer import ByteTokenizer
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.lora import LoRASettings, lora_modules
 from torchtitan_rl.models.vlm.model import VLMModel
 from torchtitan_rl.optim import build_optimizer
@@ -243,3 +245,20 @@ def test_vlm_adapter_matches_peft_on_mistral3_and_merged_export_matches(tmp_path
     with torch.no_grad():
         for got, expected in zip(packed_logits(plain, samples), ours):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adapter_and_merged_exports_carry_the_run_tokenizer(tmp_path):
+    """With the byte tokenizer: its tokenizer files, and the stop tokens' ids to generate with."""
+    settings = LoRASettings(rank=2, alpha=4.0, target_modules=("wq", "w2"))
+    model = adapted_model(tie=False, settings=settings)
+    byte_tokenizer = ByteTokenizer()
+    stop_tokens = ["<|im_end|>", "<|endoftext|>"]
+    tokenizer = ExportTokenizer.for_run(byte_tokenizer, "", stop_tokens)
+    save_peft_adapter(model, str(tmp_path / "adapter"), settings, torch.float32, tokenizer)
+    save_merged_hf(model, str(tmp_path / "merged"), torch.float32, tokenizer)
+    stop_ids = [byte_tokenizer.token_to_id(token) for token in stop_tokens]
+    text = "Grüße, 你好 🙂\n  x"
+    for directory in (tmp_path / "adapter", tmp_path / "merged"):
+        assert AutoTokenizer.from_pretrained(directory).encode(text) == byte_tokenizer.encode(text)
+        assert GenerationConfig.from_pretrained(directory).eos_token_id == stop_ids
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["eos_token_id"] == stop_ids

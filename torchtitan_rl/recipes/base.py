@@ -29,6 +29,7 @@ from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
@@ -374,7 +375,10 @@ class Recipe(ABC):
         self, dataloader, extra_models: dict | None = None, extra_states: dict | None = None
     ) -> CheckpointManager:
         """Checkpoints of the engine's state, ``dataloader``'s position, ``extra_models`` and
-        ``extra_states``."""
+        ``extra_states``. A Hugging Face export writes the run's tokenizer and stops generating at
+        ``generation.stop_tokens`` (which only GRPO runs may set: an SFT run's are the defaults,
+        special tokens of every tokenizer)."""
+        stop_tokens, tokenizer_dir = self.job_config.generation.stop_tokens, self.job_config.model.hf_assets_path
         return CheckpointManager(
             self.job_config.checkpoint,
             dump_folder=self.job_config.job.dump_folder,
@@ -384,7 +388,7 @@ class Recipe(ABC):
             dataloader=dataloader,
             train_state=self.train_state,
             model_args=self.model_args,
-            tokenizer_dir=self.job_config.model.hf_assets_path,
+            export_tokenizer=ExportTokenizer.for_run(self.tokenizer, tokenizer_dir, stop_tokens),
             extra_models=extra_models,
             extra_states=extra_states,
             process_group=self.parallel_dims.trainer_group(),
