@@ -417,7 +417,17 @@ class CheckpointManager:
     def maybe_save(self, step: int, last: bool) -> None:
         if not self.config.enable or not (last or step % self.config.interval == 0):
             return
-        model_only = last and self.config.last_save_model_only
+        self._save(step, model_only=last and self.config.last_save_model_only)
+
+    def save_model(self, step: int) -> None:
+        """Save the model alone as checkpoint ``step`` (as a last save with
+        ``last_save_model_only`` would: in ``export_dtype``, in HF format with ``last_save_in_hf``)
+        and wait until it is complete."""
+        assert self.config.enable
+        self._save(step, model_only=True)
+        self.wait()
+
+    def _save(self, step: int, model_only: bool) -> None:
         final = os.path.join(self.folder, f"step-{step}")
         partial = final + ".partial"
         self.wait()

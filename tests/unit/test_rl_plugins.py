@@ -12,7 +12,7 @@ import pytest
 from rl_plugins import sort_digits
 from torchtitan_rl.rl.generator import Rollout
 from torchtitan_rl.rl.rollouts import ScoredGroup, rollout_metrics, rollout_sums
-from torchtitan_rl.rl.tasks import PluginTask, Problem, build_task
+from torchtitan_rl.rl.tasks import PluginTask, build_task
 from torchtitan_rl.rl.tasks.plugin import RewardFunctionError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
