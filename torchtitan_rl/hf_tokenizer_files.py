@@ -28,7 +28,14 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from torchtitan_rl.data.chat import CHAT_ROLES, TRAINED_ROLE
-from torchtitan_rl.data.tokenizer import EOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN, ByteTokenizer, Tokenizer
+from torchtitan_rl.data.tokenizer import (
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    IM_START_TOKEN,
+    ByteTokenizer,
+    Tokenizer,
+    stop_token_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -52,16 +59,7 @@ class ExportTokenizer:
         prompts, and an SFT run cannot set them (config validation), so it stops at the default
         ``<|im_end|>`` and ``<|endoftext|>``, which every tokenizer has (``HFTokenizer``)."""
         assert (hf_assets_path == "") == isinstance(tokenizer, ByteTokenizer), (hf_assets_path, type(tokenizer))
-        stop_token_ids = []
-        for token in stop_tokens:
-            token_id = tokenizer.token_to_id(token)
-            if token_id is None:
-                raise ValueError(
-                    f"generation.stop_tokens: {token!r} is not a special token of the tokenizer; the Hugging Face "
-                    "export (checkpoint.last_save_in_hf) writes the stop tokens' ids as eos_token_id"
-                )
-            stop_token_ids.append(token_id)
-        return cls(hf_assets_path or None, tuple(stop_token_ids), tokenizer.eos_id)
+        return cls(hf_assets_path or None, stop_token_ids(tokenizer, stop_tokens), tokenizer.eos_id)
 
     def token_ids(self) -> dict[str, int | list[int] | None]:
         """The special-token ids of ``config.json`` and ``generation_config.json``."""

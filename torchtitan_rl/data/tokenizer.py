@@ -125,6 +125,18 @@ def build_tokenizer(hf_assets_path: str) -> Tokenizer:
     )
 
 
+def stop_token_ids(tokenizer: Tokenizer, stop_tokens: list[str] | tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of ``generation.stop_tokens``; one that is no special token of ``tokenizer`` is a
+    ValueError naming that key."""
+    ids = []
+    for token in stop_tokens:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
+        ids.append(token_id)
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class ImageTokenIds:
     """The ids of one image's placeholder tokens (see ``data.images.placeholder_tokens``)."""

@@ -10,6 +10,7 @@ import torch
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.chat import tokenize_prompt_row
+from torchtitan_rl.data.tokenizer import stop_token_ids
 from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig
 from torchtitan_rl.recipes.base import (
     RunContext,
@@ -81,7 +82,7 @@ def read_task(run: RunContext) -> TaskData:
             "rl.num_train_prompts below that, or rl.sft_warmup_steps = 0"
         )
     tokenizer = run.tokenizer
-    stop_token_ids = tuple(_stop_token_id(tokenizer, token) for token in generation.stop_tokens)
+    stop_ids = stop_token_ids(tokenizer, generation.stop_tokens)
     env_class = load_environment(rl.env) if rl.env else None
     vision = vision_data_config(cfg, model_args_from_config(cfg, run.device, tokenizer))
     planner = RowPlanner(tokenizer, vision) if vision is not None else None
@@ -117,7 +118,7 @@ def read_task(run: RunContext) -> TaskData:
                 f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
             )
     images = ([i for _, i in train], [i for _, i in evaluation]) if vision is not None else (None, None)
-    return TaskData(task, [t for t, _ in train], [t for t, _ in evaluation], stop_token_ids, env_class, vision, *images)
+    return TaskData(task, [t for t, _ in train], [t for t, _ in evaluation], stop_ids, env_class, vision, *images)
 
 
 def warms_up(job_config: JobConfig) -> bool:
@@ -177,10 +178,3 @@ def build_generator(
 def sampling_params(job_config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingParams:
     g = job_config.generation
     return SamplingParams(g.max_new_tokens, g.temperature, g.top_k, g.top_p, stop_token_ids)
-
-
-def _stop_token_id(tokenizer, token: str) -> int:
-    token_id = tokenizer.token_to_id(token)
-    if token_id is None:
-        raise ValueError(f"generation.stop_tokens: {token!r} is not a special token of the tokenizer")
-    return token_id
