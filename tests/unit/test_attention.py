@@ -3,6 +3,7 @@ import torch
 
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
 from torchtitan_rl.models.attention import (
+    FLEX_MIN_HEAD_DIM,
     build_attention_context,
     packed_attention,
     resolve_attn_backend,
@@ -20,9 +21,9 @@ def pack(lengths, device="cpu"):
     return seq_ids.to(device), positions.to(device)
 
 
-def random_qkv(num_tokens, device="cpu", dtype=torch.float32, seed=0):
+def random_qkv(num_tokens, device="cpu", dtype=torch.float32, seed=0, head_dim=HEAD_DIM):
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(num_tokens, N_HEADS, HEAD_DIM)] + [(num_tokens, N_KV_HEADS, HEAD_DIM)] * 2
+    shapes = [(num_tokens, N_HEADS, head_dim)] + [(num_tokens, N_KV_HEADS, head_dim)] * 2
     return [torch.randn(s, generator=gen).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
 
 
@@ -240,12 +241,20 @@ def test_rejects_mismatched_shapes():
         build_attention_context("sdpa_dense", seq_ids, positions, kv_seq_ids=seq_ids)
 
 
+def test_flex_is_chosen_only_for_heads_it_can_run():
+    assert resolve_attn_backend("auto", "cuda", (FLEX_MIN_HEAD_DIM, 64)) == "flex"
+    assert resolve_attn_backend("auto", "cuda", (FLEX_MIN_HEAD_DIM // 2, 64)) == "sdpa_varlen"
+    assert resolve_attn_backend("auto", "cpu", (64,)) == "sdpa_varlen"
+    with pytest.raises(ValueError, match=f"'flex' needs heads of at least {FLEX_MIN_HEAD_DIM} dims, the model has 8"):
+        resolve_attn_backend("flex", "cuda", (8, 32))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lengths", [LENGTHS, [130, 1, 77, 300]])
 def test_flex_matches_sdpa_dense_on_cuda(lengths):
     seq_ids, positions = pack(lengths, device="cuda")
-    q, k, v = random_qkv(seq_ids.numel(), device="cuda", seed=10)
+    q, k, v = random_qkv(seq_ids.numel(), device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=10)
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(11)).cuda()
     results = {}
     for backend in ("flex", "sdpa_dense"):
@@ -270,8 +279,8 @@ def test_flex_matches_sdpa_dense_on_cp_shares_on_cuda(cp):
     num_kv = kv_seq_ids.numel()
     for rank in range(cp):
         seq_ids, positions = layout.seq_ids(rank).cuda(), layout.positions(rank).cuda()
-        q = random_qkv(seq_ids.numel(), device="cuda", seed=12 + rank)[0]
-        _, k, v = random_qkv(num_kv, device="cuda", seed=20)
+        q = random_qkv(seq_ids.numel(), device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=12 + rank)[0]
+        _, k, v = random_qkv(num_kv, device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=20)
         upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(13)).cuda()
         results = {}
         for backend in ("flex", "sdpa_dense"):
@@ -368,7 +377,7 @@ def test_non_causal_dense_mask_is_block_diagonal():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_non_causal_flex_matches_sdpa_dense_on_cuda():
     seq_ids, positions = pack([130, 1, 77, 300], device="cuda")
-    q, k, v = random_qkv(seq_ids.numel(), device="cuda", seed=18)
+    q, k, v = random_qkv(seq_ids.numel(), device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=18)
     upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(19)).cuda()
     results = {}
     for backend in ("flex", "sdpa_dense"):

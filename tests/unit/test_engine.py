@@ -303,7 +303,8 @@ def test_the_cuda_step_never_waits_for_the_device():
     of a dense model under flex attention make no device-to-host sync (after a first step
     that compiles flex for these shapes)."""
     cuda = torch.device("cuda")
-    engine = make_engine(max_tokens=12, args=dataclasses.replace(ARGS, attn_backend="auto"))
+    # flex_attention's kernels need heads of at least 16 dims.
+    engine = make_engine(max_tokens=12, args=dataclasses.replace(ARGS, attn_backend="auto", head_dim=16))
     engine.model.to(cuda)
     engine.device = cuda
     engine.optimizer = build_optimizer(engine.model, LR, BETAS[0], BETAS[1], EPS, WD)

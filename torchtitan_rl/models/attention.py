@@ -49,15 +49,25 @@ from torchtitan_rl.models.varlen_plan import VarlenPlan, plan_varlen
 
 ATTN_BACKENDS = ("sdpa_dense", "sdpa_varlen", "sdpa_loop", "flex")
 ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
+FLEX_MIN_HEAD_DIM = 16
+"""flex_attention's compiled kernels refuse smaller heads (torch 2.11 and 2.13)."""
 
 
-def resolve_attn_backend(name: str, device: torch.device | str) -> str:
-    """Turn a configured backend name into the concrete backend to use on ``device``."""
+def resolve_attn_backend(name: str, device: torch.device | str, head_dims: tuple[int, ...] = ()) -> str:
+    """Turn a configured backend name into the concrete backend to use on ``device`` for
+    attention layers of ``head_dims`` (when known): ``auto`` is flex on CUDA unless a head is
+    below ``FLEX_MIN_HEAD_DIM``, where it is ``sdpa_varlen``, as on the CPU."""
     if name not in ATTN_BACKEND_CHOICES:
         raise ValueError(f"unknown attention backend {name!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}")
     device_type = torch.device(device).type
+    small_heads = min(head_dims, default=FLEX_MIN_HEAD_DIM) < FLEX_MIN_HEAD_DIM
     if name == "auto":
-        return "flex" if device_type == "cuda" else "sdpa_varlen"
+        return "flex" if device_type == "cuda" and not small_heads else "sdpa_varlen"
+    if name == "flex" and small_heads:
+        raise ValueError(
+            f"attention backend 'flex' needs heads of at least {FLEX_MIN_HEAD_DIM} dims, the model has "
+            f"{min(head_dims)}; use 'auto', 'sdpa_varlen', 'sdpa_dense' or 'sdpa_loop'"
+        )
     if name == "flex" and device_type != "cuda":
         raise ValueError(
             f"attention backend 'flex' needs CUDA (flex_attention has no backward on "

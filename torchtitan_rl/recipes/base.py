@@ -89,6 +89,13 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
         image_id = image_token_ids(tokenizer, *tokens).image
         args = with_image_token_id(args, image_id, image_token_strings(tokenizer, *tokens)[0])
         args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
+    # Now that the heads are known: flex cannot run heads below 16 dims (auto falls back).
+    head_dims = (args.head_dim, args.vision.head_dim) if spec.takes_images else (args.head_dim,)
+    if resolve_attn_backend(job_config.model.attn_backend, device, head_dims) != backend:
+        backend = resolve_attn_backend(job_config.model.attn_backend, device, head_dims)
+        args = dataclasses.replace(args, attn_backend=backend)
+        if spec.takes_images:
+            args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
     ckpt = job_config.checkpoint
     if ckpt.initial_load_in_hf and job_config.model.flavor != HF_FLAVOR:
         # Before building anything: a wrong flavor would otherwise surface as a shape error.
