@@ -419,7 +419,9 @@ class Engine:
         """
         if not token_losses:
             return torch.full((), -torch.inf, device=self.device)
-        slots, mask = batch.seq_slots.to(self.device), batch.loss_token_mask.to(self.device)
+        # Asynchronous like the micro-batches' copies (``MicroBatch.to``): the step never waits for the device.
+        slots = batch.seq_slots.to(self.device, non_blocking=True)
+        mask = batch.loss_token_mask.to(self.device, non_blocking=True)
         per_seq = torch.zeros(2, batch.num_seq_slots, device=self.device)
         per_seq.index_add_(1, slots, torch.stack((torch.cat(token_losses) * mask, mask)))
         per_seq_sum, per_seq_count = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
