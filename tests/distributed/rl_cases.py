@@ -30,6 +30,8 @@ from torchtitan_rl.rl.rollouts import (
     exchange_among_peers,
     generate_share,
     rank_prompt_slots,
+    rollout_metrics,
+    rollout_sums,
     score_groups,
     to_samples,
 )
@@ -72,6 +74,12 @@ def sample_summary(sample) -> tuple:
 def reward(rollout) -> Reward:
     """Any reward that differs within a group will do: the test recomputes it."""
     return Reward(float(len(rollout.completion_tokens) % 2), False, {})
+
+
+def component_reward(rollout, name: str = "parity") -> Reward:
+    """A reward of two named components (a reward function's dict), the first named ``name``."""
+    parity, first = float(len(rollout.completion_tokens) % 2), rollout.completion_tokens[0] % 3 / 2
+    return Reward(parity + first, parity + first >= 1, {name: parity, "first": first})
 
 
 def signal_reward(rollout) -> Reward:
@@ -129,6 +137,17 @@ def run_exchange(dims: ParallelDims, results: dict) -> None:
         "balanced": [[sample_summary(s) for s in mb] for mb in balanced],
         "imbalance": imbalance,
     }
+    # Reward components: their means over the step; named differently on one data-parallel rank,
+    # an error on every rank alike (never a collective that hangs).
+    scored = score_groups(rollouts, [component_reward(r) for r in rollouts], NUM_SAMPLES, "grpo", 1e-6)
+    mine["metrics"] = rollout_metrics(*rollout_sums(scored, 0), dims.mesh("batch"))
+    name = "parity" if dims.batch_rank() == 0 else "oddness"
+    renamed = score_groups(rollouts, [component_reward(r, name) for r in rollouts], NUM_SAMPLES, "grpo", 1e-6)
+    try:
+        rollout_metrics(*rollout_sums(renamed, 0), dims.mesh("batch"))
+        mine["renamed_error"] = None
+    except ValueError as err:
+        mine["renamed_error"] = str(err)
     results[layout_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(mine)
 
 

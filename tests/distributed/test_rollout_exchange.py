@@ -2,7 +2,9 @@
 all end with the same rollouts; data-parallel ranks hold disjoint prompts that together are the
 step; and every rollout equals what one process generates (the layout changes nothing). Then
 DP compute balancing: each data-parallel rank trains exactly the samples the cost plan gives it,
-unchanged by the trip, and its CP / TP peers the same ones. Dynamic sampling: every layout keeps
+unchanged by the trip, and its CP / TP peers the same ones. Reward components are
+logged as their means over the step, and named differently on two ranks they stop every rank
+with the cause. Dynamic sampling: every layout keeps
 the same problems with signal, in the same order, as one process drawing the rounds alone, and
 each data-parallel rank trains its slots of them."""
 
@@ -67,6 +69,28 @@ def test_peers_share_identical_rollouts_and_data_parallel_ranks_disjoint_ones(la
         for p, s, tokens, logprobs in whole:
             assert (tokens, logprobs) == reference[(p, s)], (batch_rank, p, s)
     assert sorted(seen) == sorted(reference)  # data-parallel ranks: disjoint, the whole step
+
+
+@pytest.mark.parametrize("layout", rl_cases.EXCHANGE_LAYOUTS)
+def test_reward_components_are_their_means_over_the_step_and_must_share_names(layout_results, layout):
+    world = layout[0] * layout[1] * layout[2] * layout[3]
+    ranks = layout_results[world][rl_cases.layout_key(*layout)]
+    step_prompts = prompts()
+    reference = single_process_rollouts()
+    rewards = [
+        rl_cases.component_reward(Rollout(p, s, step_prompts[p], *reference[(p, s)], "stop")) for p, s in reference
+    ]
+    for rank in ranks:
+        for name in ("parity", "first"):
+            expected = sum(r.components[name] for r in rewards) / len(rewards)
+            assert rank["metrics"][f"rl/reward_{name}"] == pytest.approx(expected, rel=1e-12), name
+        assert rank["metrics"]["rl/pass@1"] == pytest.approx(sum(r.correct for r in rewards) / len(rewards))
+        if layout[0] * layout[1] > 1:
+            assert "the reward components differ between ranks (['first', 'oddness'] vs ['first', 'parity'])" in (
+                rank["renamed_error"] or ""
+            )
+        else:
+            assert rank["renamed_error"] is None
 
 
 @pytest.mark.parametrize("layout", rl_cases.EXCHANGE_LAYOUTS)
