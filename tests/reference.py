@@ -1,7 +1,16 @@
 """Independent references shared by the tests: the reduction modes as written in docs/design.md ('Loss weights'),
-and a clean environment for launching training processes."""
+a clean environment for launching training processes, and ``train.py`` run in this process."""
 
+import contextlib
+import importlib.util
+import io
+import logging
 import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
 
 
 def minibatch_loss(seq_sums: list, seq_loss_tokens: list, mode: str, horizon: int, groups: list | None = None):
@@ -27,11 +36,54 @@ def minibatch_loss(seq_sums: list, seq_loss_tokens: list, mode: str, horizon: in
     raise AssertionError(f"no layout-invariant reference for {mode}")
 
 
+_TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def launch_env() -> dict:
     """This process's environment for a child launch, with one thread per process and none
     of the torchrun variables of an enclosing job."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for key in _TORCHRUN_VARIABLES:
         env.pop(key, None)
     return env
+
+
+_TRAIN = Path(__file__).resolve().parents[1] / "train.py"
+
+
+def train_in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """``python train.py ARGV`` run as ``train.main(ARGV)`` in this process: its exit status and
+    what it writes to stdout and stderr. For runs that stop before training: a launch costs a
+    Python and torch start-up (seconds), this none.
+
+    As in a child of ``launch_env``, no torchrun variable is set (one process, no process
+    group); the CPU RNG state the run seeds and the root logger come back afterwards.
+    """
+    spec = importlib.util.spec_from_file_location("train_entry_point", _TRAIN)
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    # main() configures logging with basicConfig, which does nothing once the root logger has
+    # a handler: this one, formatted the same way, puts the run's log lines into its stderr.
+    handler = logging.StreamHandler(stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+
+    def restore_logging():
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+    with contextlib.ExitStack() as stack:
+        env = stack.enter_context(pytest.MonkeyPatch.context())
+        for key in _TORCHRUN_VARIABLES:
+            env.delenv(key, raising=False)
+        stack.enter_context(torch.random.fork_rng(devices=[]))
+        stack.enter_context(contextlib.redirect_stdout(stdout))
+        stack.enter_context(contextlib.redirect_stderr(stderr))
+        stack.callback(restore_logging)
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        status = entry.main(argv)
+    return subprocess.CompletedProcess(["train.py", *argv], status, stdout.getvalue(), stderr.getvalue())

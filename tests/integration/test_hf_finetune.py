@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from reference import launch_env
+from reference import launch_env, train_in_process
 from torchtitan_rl.config import ConfigManager
 from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import SFTDataLoader
@@ -116,18 +116,8 @@ def test_finetune_from_hf_and_export_back(hf_dir, tmp_path):
 
 
 def test_hf_directory_of_another_flavor_is_refused_before_training(hf_dir, tmp_path):
-    cmd = [
-        sys.executable,
-        str(REPO / "train.py"),
-        *ARGS,
-        "--checkpoint.initial_load_path",
-        str(hf_dir),
-        "--model.flavor",
-        "0.6B",
-        "--job.dump_folder",
-        str(tmp_path / "wrong"),
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    args = [*ARGS, "--checkpoint.initial_load_path", str(hf_dir), "--model.flavor", "0.6B"]
+    proc = train_in_process([*args, "--job.dump_folder", str(tmp_path / "wrong")])
     assert proc.returncode == 2
     assert "another model flavor" in proc.stderr and str(hf_dir / "config.json") in proc.stderr
     assert "model.flavor='debugmodel'" in proc.stderr  # it says which flavor the directory is
@@ -176,8 +166,7 @@ def test_any_qwen3_size_fine_tunes_with_the_hf_flavor(tmp_path):
 
 
 def test_hf_flavor_needs_a_config_json(tmp_path):
-    cmd = [sys.executable, str(REPO / "train.py"), "--model.flavor", "hf", "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=300)
+    proc = train_in_process(["--model.flavor", "hf", "--job.dump_folder", str(tmp_path)])
     assert proc.returncode == 2
     assert (
         "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path" in proc.stderr

@@ -3,8 +3,8 @@ ranks (read back from TensorBoard), it learns, its resolved config reloads, and 
 fails with exit status 2 and a message that names the cause.
 
 Launches are shared through module-scoped fixtures (each costs seconds on CPU): one
-single-process run, one 2-rank torchrun run, and all bad-input launches started two at a
-time.
+single-process run, one 2-rank torchrun run, and the bad inputs that need several ranks,
+launched two at a time; the single-process bad inputs run in this process (``train.main``).
 """
 
 import concurrent.futures
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from reference import launch_env
+from reference import launch_env, train_in_process
 from torchtitan_rl.config import ConfigManager, config_to_dict
 from torchtitan_rl.tensorboard_io import read_scalars
 
@@ -316,20 +316,24 @@ CONFIG_ERRORS = {"unknown_key", "misspelled_key", "clip_low_at_one", "clip_for_c
 
 @pytest.fixture(scope="module")
 def bad_input_results(tmp_path_factory) -> dict[str, tuple[list[subprocess.CompletedProcess], str]]:
-    """Every BAD_INPUT case launched, two at a time (each is one or two short processes)."""
+    """Every BAD_INPUT case: one process in this one (no process group, as ``python train.py``
+    runs it), several ranks launched, two cases at a time."""
     folder = tmp_path_factory.mktemp("bad_input")
     malformed = str(_malformed_jsonl(folder))
 
-    def launch(name):
-        world_size, extra, _ = BAD_INPUT[name]
-        extra = [a.replace("{malformed}", malformed) for a in extra]
-        argv = ["--job.config_file", RECIPE, *OVERRIDES, "--job.dump_folder", str(folder / name), *extra]
-        procs = [train(argv, timeout=120)] if world_size is None else train_ranks(argv, world_size, timeout=120)
-        return procs
+    def argv(name):
+        extra = [a.replace("{malformed}", malformed) for a in BAD_INPUT[name][1]]
+        return ["--job.config_file", RECIPE, *OVERRIDES, "--job.dump_folder", str(folder / name), *extra]
 
+    results = {name: [train_in_process(argv(name))] for name, case in BAD_INPUT.items() if case[0] is None}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {name: pool.submit(launch, name) for name in BAD_INPUT}
-        return {name: (future.result(), malformed) for name, future in futures.items()}
+        futures = {
+            name: pool.submit(train_ranks, argv(name), case[0], timeout=120)
+            for name, case in BAD_INPUT.items()
+            if case[0] is not None
+        }
+        results |= {name: future.result() for name, future in futures.items()}
+    return {name: (procs, malformed) for name, procs in results.items()}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_INPUT))
