@@ -177,6 +177,11 @@ RL_CASES = [
     for budget in lc.RL_BUDGETS
 ]
 COMPOSITE_RL_CASES = [case for case in RL_CASES if case[2] == 24]
+# Layouts of more than 2 ranks (dp 4 and the combined ones): every mode with ppo, the other
+# losses with WIDE_RL_MODES (CI time on 2 cores). Every layout still runs every loss and every
+# mode, and every (loss, mode) pair runs on the layouts of 1 and 2 ranks.
+WIDE_RL_MODES = ("token_mean", "sequence_mean")
+WIDE_RL_CASES = [case for case in COMPOSITE_RL_CASES if case[0] == "ppo" or case[1] in WIDE_RL_MODES]
 
 
 def run_logprobs(tp_mesh, results: dict) -> None:
@@ -388,7 +393,9 @@ def run_all_layouts(world_size: int) -> dict:
         dims.build_meshes("cpu")
         reduced = world_size > 2 or sum(d > 1 for d in (dp_replicate, dp_shard, cp, tp)) > 1
         rl_cases = (
-            (COMPOSITE_RL_CASES if reduced else RL_CASES) if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS else []
+            (WIDE_RL_CASES if world_size > 2 else COMPOSITE_RL_CASES if reduced else RL_CASES)
+            if (dp_replicate, dp_shard, cp, tp) in lc.RL_LAYOUTS
+            else []
         )
         # RL cases first: the last SFT case steps the optimizer.
         run_layout(dims, False, results, rl_cases + (COMPOSITE_CASES if reduced else CASES))
