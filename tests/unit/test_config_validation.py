@@ -242,7 +242,7 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
             ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"],
         ),
         ([*GRPO, "--rl.task", "dataset"], ["rl.task_path: set it to the .jsonl, .json or .parquet file"]),
-        ([*GRPO, "--rl.task", "jsonl"], ["rl.task: unknown task 'jsonl'", "'dataset'", "'package.module:function'"]),
+        ([*GRPO, "--rl.task", "jsonl"], ["rl.task: unknown task 'jsonl'", "'dataset'", "'package.module:name'"]),
         ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'dataset' or a task factory"]),
         ([*GRPO, "--rl.answer_match", "numeric"], ["rl.answer_match: only used with rl.task = 'dataset'"]),
         (

@@ -238,15 +238,11 @@ def _check_recipe(cfg) -> None:
 def _check_task(cfg) -> None:
     """Which task keys go with which task, and what evaluation and the warm-up need."""
     from torchtitan_rl.rl.plugins import is_import_path
-    from torchtitan_rl.rl.tasks import TASKS
+    from torchtitan_rl.rl.tasks import check_task_name
 
     rl = cfg.rl
+    check_task_name(rl.task)
     is_factory = is_import_path(rl.task)
-    if rl.task not in TASKS and not is_factory:
-        raise ValueError(
-            f"rl.task: unknown task {rl.task!r}; valid tasks: {sorted(TASKS)}, or a task factory "
-            "'package.module:function'"
-        )
     if rl.task == "dataset" and not rl.task_path:
         raise ValueError(
             "rl.task_path: set it to the .jsonl, .json or .parquet file (or directory) of rl.task = 'dataset'"

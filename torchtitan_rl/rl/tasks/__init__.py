@@ -35,6 +35,14 @@ GENERATED_TASKS: dict[str, ProblemPoolBuilder] = {
 TASKS: dict[str, ProblemPoolBuilder] = {**GENERATED_TASKS, "dataset": dataset_problem_pools}
 
 
+def check_task_name(name: str) -> None:
+    """A ValueError naming ``rl.task`` unless ``name`` is a task of ``TASKS`` or an import path."""
+    if name not in TASKS and not is_import_path(name):
+        raise ValueError(
+            f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}, or a task factory 'package.module:name'"
+        )
+
+
 def build_task(
     name: str,
     *,
@@ -57,6 +65,7 @@ def build_task(
     keys task, task_path, eval_task_path, num_train_prompts, num_eval_prompts, ..., and errors
     name those keys.
     """
+    check_task_name(name)
     if num_train < 0 or num_eval < 0:
         raise ValueError(f"rl.num_train_prompts={num_train} and rl.num_eval_prompts={num_eval} must be >= 0")
     reward_function = load_reward_function(reward_fn) if reward_fn else None
@@ -75,10 +84,6 @@ def build_task(
             seed=seed,
             reward_function=reward_function,
             builtins=f"task ({', '.join(sorted(TASKS))})",
-        )
-    if name not in TASKS:
-        raise ValueError(
-            f"rl.task: unknown task {name!r}; valid tasks: {sorted(TASKS)}, or a task factory 'package.module:name'"
         )
     train, eval_problems, spare = TASKS[name](
         path=path,
@@ -106,4 +111,5 @@ __all__ = [
     "Task",
     "VerifiableTask",
     "build_task",
+    "check_task_name",
 ]
