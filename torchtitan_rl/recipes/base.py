@@ -75,11 +75,10 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
     """The flavor's args with this run's attention backend (and, for a VLM, the tokenizer's
     image token), checked against the initial HF checkpoint and the tokenizer."""
     spec = get_model_spec(job_config.model.name)
-    backend = resolve_attn_backend(job_config.model.attn_backend, device)
     if job_config.model.flavor == HF_FLAVOR:
-        args = hf_flavor_args(job_config, spec, backend)
+        args = hf_flavor_args(job_config, spec, resolve_attn_backend(job_config.model.attn_backend, device))
     else:
-        args = dataclasses.replace(spec.flavors[job_config.model.flavor], attn_backend=backend)
+        args = spec.flavors[job_config.model.flavor]
     if args.is_moe:
         args = dataclasses.replace(args, experts_impl=job_config.moe.experts_impl)
         args = with_router_aux_loss(args, job_config.moe.aux_loss_coef)
@@ -88,14 +87,12 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
         tokens = (m.image_token, m.image_break_token, m.image_end_token)
         image_id = image_token_ids(tokenizer, *tokens).image
         args = with_image_token_id(args, image_id, image_token_strings(tokenizer, *tokens)[0])
-        args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
     # Now that the heads are known: flex cannot run heads below 16 dims (auto falls back).
     head_dims = (args.head_dim, args.vision.head_dim) if spec.takes_images else (args.head_dim,)
-    if resolve_attn_backend(job_config.model.attn_backend, device, head_dims) != backend:
-        backend = resolve_attn_backend(job_config.model.attn_backend, device, head_dims)
-        args = dataclasses.replace(args, attn_backend=backend)
-        if spec.takes_images:
-            args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
+    backend = resolve_attn_backend(job_config.model.attn_backend, device, head_dims)
+    args = dataclasses.replace(args, attn_backend=backend)
+    if spec.takes_images:
+        args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, attn_backend=backend))
     ckpt = job_config.checkpoint
     if ckpt.initial_load_in_hf and job_config.model.flavor != HF_FLAVOR:
         # Before building anything: a wrong flavor would otherwise surface as a shape error.
