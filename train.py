@@ -2,17 +2,20 @@
 
 import logging
 import sys
+import traceback
 
-from torchtitan_rl.config import ConfigManager, JobConfig
-from torchtitan_rl.distributed.utils import shutdown_distributed
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.distributed.utils import PeerFailedError, shutdown_distributed
 from torchtitan_rl.recipes import get_recipe
 from torchtitan_rl.recipes.base import describe_os_error
+from torchtitan_rl.recipes.config_checks import parse_job_config
+from torchtitan_rl.rl.plugins import UserCodeError
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
     try:
-        job_config = ConfigManager().parse_args(argv)
+        job_config = parse_job_config(argv)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -30,7 +33,8 @@ def main(argv: list[str]) -> int:
 
 
 def run(job_config: JobConfig) -> int:
-    """Build, set up, train and close the recipe; 0, or 2 for a user mistake found on the way."""
+    """Build, set up, train and close the recipe; 0, 2 for a user mistake found on the way, 1
+    when the user's own code raised (its traceback printed) or another rank failed."""
     recipe = None
     try:
         recipe = get_recipe(job_config.job.recipe)(job_config)
@@ -45,6 +49,16 @@ def run(job_config: JobConfig) -> int:
         # missing permission): the message names the keys it came from.
         print(f"error: {describe_os_error(err, job_config)}", file=sys.stderr)
         return 2
+    except UserCodeError as err:
+        # The user's environment, task or reward raised (a ValueError too): its traceback is
+        # the user's frames, the message what was called on which problem.
+        traceback.print_exception(err.__cause__, file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except PeerFailedError as err:
+        # That rank printed its own traceback; here, which rank and why.
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         if recipe is not None:
             recipe.close()

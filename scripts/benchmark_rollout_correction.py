@@ -34,7 +34,7 @@ CURVES = {
 }
 COST_ONLY = {
     "icepop": ["--rl.rollout_correction", "icepop"],
-    "geo_mask": ["--rl.rollout_correction", "geo_mask"],
+    "geo_mask": ["--rl.rollout_correction", "geo_mask", "--rl.rollout_correction_level", "sequence"],
     # The recipe sets PPO's clip bounds; GSPO gets its own (the paper's).
     "gspo": [
         "--loss.loss_fn",

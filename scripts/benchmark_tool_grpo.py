@@ -20,7 +20,7 @@ from plot_runs import svg_figure
 
 RECIPE = "train_configs/debug_tool_grpo.toml"
 FIGURE = "tool_grpo_reward.svg"
-TAGS = ["rl/reward_mean", "rl/tool_calls_mean"]
+TAGS = ["rl/reward_mean", "rl/observations_mean"]
 
 
 def window(series: dict[int, float], steps) -> float:
@@ -46,7 +46,7 @@ def main() -> None:
                 seed,
                 f"{run.wall_s:.0f} s",
                 f"{window(s['rl/reward_mean'], first):.2f} → {window(s['rl/reward_mean'], last):.2f}",
-                f"{window(s['rl/tool_calls_mean'], first):.2f} → {window(s['rl/tool_calls_mean'], last):.2f}",
+                f"{window(s['rl/observations_mean'], first):.2f} → {window(s['rl/observations_mean'], last):.2f}",
                 f"{s['eval/pass@1'][0]:.2f} → {s['eval/pass@1'][args.steps]:.2f}",
                 f"{s['rl/turns_mean'][args.steps]:.2f}",
             ]

@@ -96,14 +96,14 @@ def balance_worker(repeats: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance, sample_cost
+    from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance
     from torchtitan_rl.data.sample import Sample, SampleImage
     from torchtitan_rl.distributed.parallel_dims import ParallelDims
     from torchtitan_rl.distributed.utils import init_distributed
     from torchtitan_rl.engine import Engine, EngineOptions
     from torchtitan_rl.models.vlm.args import vlm_flavors
     from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
-    from torchtitan_rl.recipes.base import build_model, vision_packing
+    from torchtitan_rl.recipes.base import balance_cost_model, build_model, vision_packing
 
     rank, world, device = init_distributed(300)
     dims = ParallelDims(1, -1, 1, 1, world_size=world)
@@ -149,8 +149,11 @@ def balance_worker(repeats: int) -> None:
                 vision_rows=rows if images else None,
             )
         )
-    costs = [sample_cost(len(s), s.num_patches) for s in samples]
-    balanced = assign_to_ranks([len(s) for s in samples], world, num_patches=[s.num_patches for s in samples])
+    cost_model = balance_cost_model(args)  # the recipes' balancing, by this model's widths
+    costs = [cost_model.sample_cost(len(s), s.num_patches) for s in samples]
+    balanced = assign_to_ranks(
+        [len(s) for s in samples], world, num_patches=[s.num_patches for s in samples], cost_model=cost_model
+    )
     splits = {"off": contiguous_split(len(samples), world), "on": balanced}
     times: dict[str, list[float]] = {"off": [], "on": []}
     # Alternating like bench_common.time_alternating, with barriers so that every rank times the

@@ -4,6 +4,7 @@ GPU images ship torch 2.11, CPU machines 2.13; code elsewhere calls these wrappe
 """
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -36,3 +37,12 @@ def local_shard_bounds(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int
     if not isinstance(tensor, DTensor):
         return tuple(tensor.shape), (0,) * tensor.dim()
     return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+
+
+def launch_store() -> dist.Store:
+    """The key-value store the launch's default process group was built on (torchrun's).
+
+    Private c10d helper, with the same signature in 2.11 and 2.13; ``clone()`` of the store it
+    returns opens another connection to the same keys.
+    """
+    return dist.distributed_c10d._get_default_store()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan_rl.data.balance import plan_microbatches
+from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, plan_microbatches
 from torchtitan_rl.data.cp_split import shard_microbatch
 from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, padding_microbatch
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
@@ -24,6 +24,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import (
+    ForwardBackwardMetrics,
     LossMetrics,
     old_logprobs,
     per_token_loss,
@@ -40,34 +41,10 @@ from torchtitan_rl.losses.reduction import (
     local_counts,
     token_weights,
 )
-from torchtitan_rl.losses.router import RouterLossConfig, balance_loss, z_loss
+from torchtitan_rl.losses.router import RouterLossConfig, RouterMetrics, balance_loss, z_loss
 from torchtitan_rl.models.attention import AttentionContext, build_attention_context, cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
 from torchtitan_rl.models.vlm.model import VisionInputs
-
-
-@dataclass
-class RouterMetrics:
-    """A MoE model's router statistics of one ``forward_backward`` on this rank: partial
-    losses (unweighted; their sum over every rank is the mini-batch's loss) and the top-k
-    counts of this rank's tokens per MoE layer and expert (summed over every rank at log time)."""
-
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
-    counts: torch.Tensor  # [L, E]
-    layer_ids: tuple[int, ...]  # the model's MoE layers, in order
-    config: RouterLossConfig
-
-
-@dataclass
-class ForwardBackwardMetrics:
-    """Device-resident results of one ``forward_backward``; reduced only when logged."""
-
-    loss: torch.Tensor  # this rank's Σ w·ℓ (sum over the `loss` mesh = mini-batch loss)
-    max_seq_loss: torch.Tensor  # largest per-sequence mean loss among this rank's sequences (-inf: none)
-    counts: torch.Tensor  # global counts, see losses.reduction
-    terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
-    router: RouterMetrics | None = None  # MoE models only
 
 
 @dataclass(frozen=True)
@@ -113,6 +90,8 @@ class EngineOptions:
     # first (data.balance.plan_microbatches), instead of in order: with compute balancing the
     # data-parallel ranks then meet at every micro-batch with about the same work done.
     balance_microbatches: bool = False
+    # The model's estimated compute per sample (from its widths), which that balancing evens out.
+    cost_model: CostModel = DEFAULT_COST_MODEL
     # Log-probs, entropies and losses are of softmax(logits / temperature): RL trains on the
     # distribution its sampler drew from.
     temperature: float = 1.0
@@ -178,6 +157,7 @@ class Engine:
                     [s.num_patches for s in samples],
                     options.max_patches_per_microbatch,
                     balanced=options.balance_microbatches,
+                    cost_model=options.cost_model,
                 )
             except ValueError as err:
                 problem = str(err)
@@ -392,6 +372,7 @@ class Engine:
         )
         mask = mb.loss_mask.to(torch.float32)
         per_seq = torch.zeros(2, mb.num_seqs, device=self.device)
+        # Bitwise repeatable on CUDA only under debug.deterministic (index_add_ uses atomics there).
         per_seq.index_add_(
             1, mb.seq_ids, torch.stack(((logprobs.float() - old_logprobs(mb, loss.options)) * mask, mask))
         )
@@ -477,7 +458,7 @@ class Engine:
         return aux, z
 
     def _add_router_metrics(
-        self, metrics: "RouterMetrics | None", stats, aux: torch.Tensor, z: torch.Tensor
+        self, metrics: RouterMetrics | None, stats, aux: torch.Tensor, z: torch.Tensor
     ) -> RouterMetrics:
         counts = stats.counts.sum(1)
         if metrics is None:

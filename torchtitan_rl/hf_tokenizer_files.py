@@ -57,8 +57,15 @@ class ExportTokenizer:
         ValueError naming that key, raised when the recipe builds its checkpointer, not at the
         last save. In a run it never reaches here: GRPO checks its stop tokens when it reads its
         prompts, and an SFT run cannot set them (config validation), so it stops at the default
-        ``<|im_end|>`` and ``<|endoftext|>``, which every tokenizer has (``HFTokenizer``)."""
-        assert (hf_assets_path == "") == isinstance(tokenizer, ByteTokenizer), (hf_assets_path, type(tokenizer))
+        ``<|im_end|>`` and ``<|endoftext|>``, which every tokenizer has (``HFTokenizer``).
+        ``tokenizer`` must be the one ``hf_assets_path`` builds (the byte tokenizer for ""): the
+        export copies that directory's files, or writes the byte tokenizer's; ValueError else."""
+        if (hf_assets_path == "") != isinstance(tokenizer, ByteTokenizer):
+            source = f"model.hf_assets_path = {hf_assets_path!r}" if hf_assets_path else "no model.hf_assets_path"
+            raise ValueError(
+                f"the HF export's tokenizer files: {source}, but the run's tokenizer is a {type(tokenizer).__name__} "
+                "(the byte tokenizer goes with an empty model.hf_assets_path, an HF tokenizer with its directory)"
+            )
         return cls(hf_assets_path or None, stop_token_ids(tokenizer, stop_tokens), tokenizer.eos_id)
 
     def token_ids(self) -> dict[str, int | list[int] | None]:
@@ -82,9 +89,12 @@ def byte_tokenizer_json() -> tokenizers.Tokenizer:
     specials = ByteTokenizer.SPECIAL_TOKENS
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in specials])
     # Added tokens take the next free ids, in order: the byte tokenizer's.
-    assert [tokenizer.token_to_id(token) for token in specials] == [
-        ByteTokenizer.NUM_BYTES + i for i in range(len(specials))
-    ]
+    ids = [tokenizer.token_to_id(token) for token in specials]
+    if ids != [ByteTokenizer.NUM_BYTES + i for i in range(len(specials))]:
+        raise RuntimeError(
+            f"tokenizers {tokenizers.__version__} gave the byte tokenizer's special tokens {specials} the ids {ids}, "
+            f"not {ByteTokenizer.NUM_BYTES}.. in order: the exported tokenizer.json would not match the run's"
+        )
     return tokenizer
 
 
@@ -94,7 +104,11 @@ def _byte_symbols() -> list[str]:
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     shifted = iter(range(0x100, 0x200))
     symbols = [chr(byte) if byte in printable else chr(next(shifted)) for byte in range(ByteTokenizer.NUM_BYTES)]
-    assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet())
+    if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()):
+        raise RuntimeError(
+            f"tokenizers {tokenizers.__version__}: the ByteLevel alphabet is not the 256 byte symbols the "
+            "byte tokenizer's export maps its ids to"
+        )
     return symbols
 
 

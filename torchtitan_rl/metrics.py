@@ -8,8 +8,9 @@ from torch.utils.tensorboard import SummaryWriter
 
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.utils import all_reduce
-from torchtitan_rl.engine import ForwardBackwardMetrics, RouterMetrics
+from torchtitan_rl.losses.loss_fns import ForwardBackwardMetrics
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, NUM_TOKENS
+from torchtitan_rl.losses.router import RouterMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ def build_optimizer(
 
     ``implementation``: ``fused`` (one kernel per parameter group) or ``foreach`` (multi-tensor
     ops); ``auto`` is fused, which torch has for CPU and CUDA tensors and DTensors, equals
-    foreach up to float rounding and measured faster (docs/benchmarks/optimizer.md).
+    foreach up to float rounding (figures: docs/benchmarks/optimizer.md).
     """
     if implementation not in OPTIMIZER_IMPLEMENTATIONS:
         raise ValueError(

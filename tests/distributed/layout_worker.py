@@ -17,6 +17,7 @@ from moe_cases import run_moe_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
 from rollout_rank_cases import run_rollout_rank_checks
+from rollout_timeout_cases import run_rollout_timeout_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.balance import assign_to_ranks
 from torchtitan_rl.data.sample import Sample
@@ -420,6 +421,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only
     run_rollout_rank_checks(world_size, results)  # 2 training + 2 rollout ranks, world 4 only
+    run_rollout_timeout_checks(world_size, results)  # the same, waits against a 2 s silent-peer timeout
     return results
 
 

@@ -10,9 +10,9 @@ part and results for test_rollout_exchange.py.
 On the layouts of ``DYNAMIC_SAMPLING_LAYOUTS`` (1, 2 and 4 data-parallel ranks, with and without
 CP / TP peers) one step of dynamic sampling draws rounds of prompts from a ``PromptStream`` until
 it has enough groups with signal, the way the GRPO trainer does: peers split each round's
-generation, ranks gather the round's groups with signal (``gather_groups_with_signal``) and
-keep the first ones (``select_groups_with_signal``); each rank records the problems kept and
-the groups it trains.
+generation, ranks share which of the round's groups have signal (``SignalExchange``), keep
+the first ones (``select_groups_with_signal``) and send each kept group to the rank that trains
+it; each rank records the problems kept and the groups it trains.
 """
 
 import torch
@@ -22,7 +22,7 @@ import layout_cases as lc
 from generator_cases import prompts
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.recipes.base import build_model
-from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
+from torchtitan_rl.rl.dynamic_sampling import SignalExchange, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
@@ -163,6 +163,7 @@ def run_dynamic_sampling(dims: ParallelDims, results: dict) -> None:
     slots = [s for mb in slots_by_minibatch for s in mb]
     peer_mesh = dims.mesh("cp_tp")
     problem_of: dict[int, int] = {}  # candidate index -> problem id
+    exchange = SignalExchange(slots, dims.mesh("batch"))
 
     def draw_round(round_index: int):
         offset = round_offset(round_index, PROMPTS_PER_STEP)
@@ -172,19 +173,17 @@ def run_dynamic_sampling(dims: ParallelDims, results: dict) -> None:
         local = generate_share(generator, step_prompts, slots, NUM_SAMPLES, PARAMS, SEED, STEP, peer_mesh, offset)
         rollouts = exchange_among_peers(local, peer_mesh)
         groups = score_groups(rollouts, [signal_reward(r) for r in rollouts], NUM_SAMPLES, "grpo", 1e-6)
-        return gather_groups_with_signal(groups, dims.mesh("batch"))
+        return exchange.round_with_signal(groups)
 
     selection = select_groups_with_signal(draw_round, PROMPTS_PER_STEP, MAX_SAMPLING_ROUNDS, warn=False)
-    trained_slots = set(slots)
     record = {
         "batch_rank": dims.batch_rank(),
-        "kept_problems": [problem_of[g.rollouts[0].prompt_index] for g in selection.groups],
+        "kept_problems": [problem_of[candidate] for candidate in selection.candidates],
         "num_rounds": selection.num_rounds,
         "num_with_signal": selection.num_with_signal,
         "trained": [
             (g.slot, problem_of[g.rollouts[0].prompt_index], [r.completion_tokens for r in g.rollouts])
-            for g in selection.groups
-            if g.slot in trained_slots
+            for g in exchange.trained_groups(selection)
         ],
     }
     results[dynamic_sampling_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(record)

@@ -2,7 +2,7 @@
 scopes, pooled and summed over layers; the micro-batch scope for a fixed micro-batch plan)
 and the z-loss on, gradients (router and experts; with LoRA on attention and the dense MLP,
 the adapters'),
-grad norm and the logged moe/aux_loss and moe/z_loss on dp 2, cp 2, tp 2, dp2 x cp2 and
+grad norm and the logged moe/aux_loss, moe/z_loss and moe/load_imbalance on dp 2, cp 2, tp 2, dp2 x cp2 and
 cp2 x tp2, with several micro-batches per rank and a filler micro-batch, equal a one-process
 reference that runs every sequence alone and writes the losses out by hand.
 """
@@ -83,7 +83,10 @@ def reference(name: str, expert_parallel: bool = False):
     z = sum(st.z_sums.sum() for st in stats) / num_tokens
     loss = token_loss + config.aux_loss_coef * aux + config.z_loss_coef * z
     grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
-    return grads, float(token_loss.detach()), float(aux.detach()), float(z.detach()), config
+    # The busiest expert over the mean expert, per MoE layer, of the whole batch's top-k counts.
+    total = sum(counts).double()
+    imbalance = (total.max(-1).values / total.mean(-1)).tolist()
+    return grads, float(token_loss.detach()), float(aux.detach()), float(z.detach()), config, imbalance
 
 
 def lora_forward(model):
@@ -131,7 +134,7 @@ def test_every_moe_layout_and_case_was_run(layout_results):
 
 def test_router_losses_and_gradients_equal_the_one_process_reference(layout_results):
     for key, entry in moe_entries(layout_results).items():
-        grads, token_loss, aux, z, config = reference(key.split("/")[-1])
+        grads, token_loss, aux, z, config, imbalance = reference(key.split("/")[-1])
         for fqn, g in grads.items():
             assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}")
         logged = entry["logged"]
@@ -142,8 +145,8 @@ def test_router_losses_and_gradients_equal_the_one_process_reference(layout_resu
             assert logged["moe/z_loss"] == pytest.approx(z, rel=RTOL), key
         else:
             assert "moe/z_loss" not in logged
-        for layer in mc.model_args().moe_layers:
-            assert logged[f"moe/load_imbalance/layer_{layer}"] >= 1.0
+        for layer, value in zip(mc.model_args().moe_layers, imbalance, strict=True):
+            assert logged[f"moe/load_imbalance/layer_{layer}"] == pytest.approx(value, rel=1e-6), (key, layer)
 
 
 def test_aux_only_gradient_norm_does_not_scale_with_cp_or_tp(layout_results):
@@ -197,7 +200,7 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
     assert entries
     for key, entry in entries.items():
         name = key.split("/")[-1]
-        grads, token_loss, aux, z, _ = reference(name, expert_parallel=True)
+        grads, token_loss, aux, z, _, imbalance = reference(name, expert_parallel=True)
         assert set(entry["grads"]) == set(grads), key
         for fqn, g in grads.items():
             assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}", rtol=EP_RTOL)
@@ -217,6 +220,8 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
                 assert tag not in logged, key
             else:
                 assert logged[tag] == pytest.approx(value, rel=1e-12), (key, tag)
+        for layer, value in zip(mc.ep_model_args().moe_layers, imbalance, strict=True):
+            assert logged[f"moe/load_imbalance/layer_{layer}"] == pytest.approx(value, rel=1e-6), (key, layer)
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def train_ranks(args: list[str], world_size: int, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """Start ``world_size`` ``python train.py`` ranks with torchrun's environment protocol.
+def train_ranks(
+    args: list[str],
+    world_size: int,
+    timeout: float = 300,
+    extra_env: dict | None = None,
+    exit_times: list[float] | None = None,
+) -> list[subprocess.CompletedProcess]:
+    """Start ``world_size`` ``python train.py`` ranks with torchrun's environment protocol
+    (and ``extra_env``); ``exit_times``, when given, receives the moment (``time.monotonic()``)
+    each rank exited.
 
     Used for errors that need a real world size: unlike torchrun, which reports its own
     status 1 when a child fails, this shows the exit status of every rank.
@@ -75,6 +84,7 @@ def train_ranks(args: list[str], world_size: int, timeout: float = 300) -> list[
     for rank in range(world_size):
         env = dict(
             launch_env(),
+            **(extra_env or {}),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -92,16 +102,21 @@ def train_ranks(args: list[str], world_size: int, timeout: float = 300) -> list[
                 stderr=subprocess.PIPE,
             )
         )
-    results = []
-    for proc in procs:
+
+    def wait(proc: subprocess.Popen) -> tuple[subprocess.CompletedProcess, float]:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=world_size) as pool:
         try:
-            out, err = proc.communicate(timeout=timeout)
+            finished = list(pool.map(wait, procs))
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
             raise
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    return results
+    if exit_times is not None:
+        exit_times.extend(moment for _, moment in finished)
+    return [result for result, _ in finished]
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:
@@ -350,3 +365,78 @@ def test_bad_input_exits_2_naming_the_cause(bad_input_results, name):
             assert part.replace("{malformed}", malformed) in message[0], (part, message[0])
         # A user error is one clear line, not a traceback.
         assert "Traceback" not in proc.stderr, _output(proc)
+
+
+# ------------------------------------------------------------------ the user's code raises
+
+PLUGINS = str(REPO / "tests" / "unit")  # rl_plugins, env_plugins
+# The embedded GRPO recipe, two short steps from scratch.
+USER_CODE_RUN = ["--job.config_file", str(REPO / "train_configs" / "debug_grpo.toml"), "--rl.sft_warmup_steps", "0"]
+USER_CODE_RUN += ["--training.steps", "2", "--rl.group_size", "4", "--rl.prompts_per_step", "2"]
+USER_CODE_RUN += ["--rl.eval_interval", "0", "--metrics.enable_tensorboard", "false"]
+# Every rank exits within this of the first one (the collective timeout is 300 s): the other
+# ranks stop at the failure, not in their next collective.
+FAILURE_BOUND_S = 20
+FAILING_REWARD = "rl_plugins:raises_on_one_rank"
+# name -> (launched ranks, the rank whose reward raises, extra options)
+ONE_RANK_FAILS = {
+    "colocated": (2, 1, []),
+    # One trainer and two rollout ranks: the one that fails is not the one that sends.
+    "rollout_ranks": (3, 2, ["--parallelism.rollout_ranks", "2"]),
+}
+
+
+def test_the_users_own_error_shows_its_traceback(tmp_path, monkeypatch):
+    """A ValueError of the user's environment is no config mistake: its traceback, down to the
+    user's line, then the line naming the environment and the problem."""
+    monkeypatch.syspath_prepend(PLUGINS)
+    argv = [*USER_CODE_RUN, "--job.dump_folder", str(tmp_path), "--rl.env", "env_plugins:ResetRaises"]
+    proc = train_in_process(argv)
+    assert proc.returncode == 1, _output(proc)
+    assert "Traceback (most recent call last)" in proc.stderr, _output(proc)
+    user_frame = f'File "{Path(PLUGINS) / "env_plugins" / "__init__.py"}", line '
+    assert user_frame in proc.stderr and ", in reset\n" in proc.stderr, _output(proc)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        "error: rl.env = 'env_plugins:ResetRaises' on arithmetic train #0: reset() raised ValueError: invalid "
+        "literal for int() with base 10: 'arithmetic train #0'"
+    ], _output(proc)
+
+
+@pytest.fixture(scope="module")
+def one_rank_fails(tmp_path_factory) -> dict[str, tuple[list[subprocess.CompletedProcess], float]]:
+    """Every ONE_RANK_FAILS launch (both at once): each rank's result, and the seconds between
+    the first and the last rank's exit."""
+    folder = tmp_path_factory.mktemp("one_rank_fails")
+
+    def launch(name: str):
+        world_size, failing, options = ONE_RANK_FAILS[name]
+        argv = [*USER_CODE_RUN, "--job.dump_folder", str(folder / name), "--rl.reward_fn", FAILING_REWARD, *options]
+        extra_env = {"PYTHONPATH": PLUGINS, "FAILING_RANK": str(failing)}
+        exit_times: list[float] = []
+        procs = train_ranks(argv, world_size, timeout=300, extra_env=extra_env, exit_times=exit_times)
+        return procs, max(exit_times) - min(exit_times)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(launch, name) for name in ONE_RANK_FAILS}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_RANK_FAILS))
+def test_a_rank_whose_reward_raises_ends_every_rank_with_its_cause(one_rank_fails, name):
+    """The failing rank prints the user's traceback; every other rank stops at once (not in
+    its next collective at the timeout) with one line naming that rank and its error."""
+    procs, seconds = one_rank_fails[name]
+    world_size, failing, _ = ONE_RANK_FAILS[name]
+    assert len(procs) == world_size and seconds < FAILURE_BOUND_S, seconds
+    cause = f"rl.reward_fn = '{FAILING_REWARD}' raised KeyError: 'rank {failing}' on problem arithmetic train #"
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 1, f"rank {rank}\n" + _output(proc)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, f"rank {rank}\n" + _output(proc)
+        if rank == failing:
+            assert errors[0].startswith(f"error: {cause}"), _output(proc)
+            assert ", in raises_on_one_rank\n" in proc.stderr, _output(proc)  # the user's frame
+        else:
+            assert errors[0].startswith(f"error: rank {failing} failed: UserCodeError: {cause}"), _output(proc)
+            assert "Traceback" not in proc.stderr, f"rank {rank}\n" + _output(proc)

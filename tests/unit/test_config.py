@@ -13,10 +13,12 @@ except ModuleNotFoundError:  # Python 3.10
 
 from torchtitan_rl.config import ConfigManager, JobConfig, config_to_dict, job_config, write_resolved_config
 from torchtitan_rl.distributed.fsdp import RESHARD_POLICIES
+from torchtitan_rl.recipes.config_checks import parse_job_config
 
 
 def parse(*argv):
-    return ConfigManager().parse_args(list(argv))
+    """What train.py parses: the config's own rules and those of the parts it configures."""
+    return parse_job_config(list(argv))
 
 
 def write(tmp_path, text, name="recipe.toml"):
@@ -27,7 +29,7 @@ def write(tmp_path, text, name="recipe.toml"):
 
 def assert_error(argv, *fragments, manager=None):
     with pytest.raises(ValueError) as info:
-        (manager or ConfigManager()).parse_args(list(argv))
+        manager.parse_args(list(argv)) if manager else parse(*argv)
     for fragment in fragments:
         assert fragment in str(info.value)
 
@@ -301,7 +303,8 @@ def test_unsupported_field_type_is_a_programming_error():
         ("loss.horizon", "0"),
         ("loss.logits_chunk_size", "0"),
         ("metrics.log_freq", "0"),
-        ("comm.init_timeout_seconds", "0"),
+        ("comm.collective_timeout_seconds", "0"),
+        ("comm.silent_peer_timeout_seconds", "0"),
     ],
 )
 def test_out_of_range(key, bad):
@@ -358,6 +361,21 @@ def test_activation_checkpoint_settings():
 )
 def test_unknown_key_on_cli_suggests(argv, fragments):
     assert_error(argv, *fragments)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("comm.init_timeout_seconds", "comm.collective_timeout_seconds"),
+        ("comm.rollout_timeout_seconds", "comm.silent_peer_timeout_seconds"),
+    ],
+)
+def test_a_renamed_key_names_its_successor_on_the_cli_and_in_toml(tmp_path, old, new):
+    assert_error([f"--{old}", "60"], f"'{old}' is now '{new}'")
+    section, _, name = old.partition(".")
+    path = write(tmp_path, f"[{section}]\n{name} = 60\n")
+    assert_error(["--job.config_file", path], f"'{old}' is now '{new}'", path)
+    assert getattr(parse(f"--{new}", "60").comm, new.partition(".")[2]) == 60
 
 
 def test_unknown_key_with_no_close_match_has_no_suggestion():

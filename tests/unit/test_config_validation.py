@@ -1,4 +1,5 @@
-"""The project's rules on a JobConfig (torchtitan_rl/config/validation.py), through the parser."""
+"""The project's rules on a JobConfig, through the parser train.py uses: the config's own
+(torchtitan_rl/config/validation.py) and those its parts state (recipes/config_checks.py)."""
 
 import json
 import os
@@ -6,8 +7,8 @@ import os
 import pytest
 
 from test_config import assert_error, parse
-from torchtitan_rl.config.validation import check_model_settings
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
+from torchtitan_rl.models.config_checks import check_model_settings
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
 from torchtitan_rl.models.vlm.args import vlm_flavors
 
@@ -298,6 +299,16 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
 )
 def test_recipe_key_combinations(argv, fragments):
     assert_error(argv, *fragments)
+
+
+def test_geo_mask_takes_the_sequence_level_it_works_at():
+    geo_mask = (*GRPO, "--rl.rollout_correction", "geo_mask")
+    cfg = parse(*geo_mask, "--rl.rollout_correction_level", "sequence")
+    assert (cfg.rl.rollout_correction, cfg.rl.rollout_correction_level) == ("geo_mask", "sequence")
+    for level in ([], ["--rl.rollout_correction_level", "token"]):  # the default level is 'token'
+        assert_error(
+            [*geo_mask, *level], "rl.rollout_correction_level = 'token'", "set rl.rollout_correction_level = 'sequence'"
+        )
 
 
 def test_grpo_recipes_parse():

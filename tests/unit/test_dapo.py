@@ -1,6 +1,7 @@
 """DAPO sampling and length shaping of the GRPO recipe: the overlong penalty against its formula,
 masking of truncated completions, the selection of groups with signal over rounds (pure, and
-through the recipe's rollout step with a scripted generator), the metrics and the config rules."""
+through the recipe's rollout step with a scripted generator), where each kept group travels
+(to the rank that trains it alone), the metrics and the config rules."""
 
 import dataclasses
 import logging
@@ -12,13 +13,15 @@ import pytest
 from test_config import assert_error, parse
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.recipes.grpo import GRPORecipe
-from torchtitan_rl.rl.dynamic_sampling import round_offset, select_groups_with_signal
+from torchtitan_rl.rl.dynamic_sampling import round_offset, route_selected, select_groups_with_signal
 from torchtitan_rl.rl.generator import Rollout, SamplingParams, rollout_seed
 from torchtitan_rl.rl.length_shaping import overlong_penalty, shape_overlong
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
     generate_share,
+    is_zero_variance,
+    rank_prompt_slots,
     rollout_metrics,
     rollout_sums,
     score_groups,
@@ -100,19 +103,19 @@ SIGNAL, FLAT = [1.0, 0.0], [1.0, 1.0]
 
 
 class ScriptedRounds:
-    """Round r of 4 slots (candidates 4r..4r+3), each with or without signal; returned shuffled
-    (a gather returns them in any order), and every call recorded."""
+    """Round r of 4 slots (candidates 4r..4r+3), each with or without signal; the candidates with
+    signal returned shuffled (a gather returns them in any order), and every call recorded."""
 
     def __init__(self, signal_by_round: list[list[bool]]):
         self.signal_by_round = signal_by_round
         self.calls: list[int] = []
 
-    def __call__(self, round_index: int) -> list[ScoredGroup]:
+    def __call__(self, round_index: int) -> list[int]:
         self.calls.append(round_index)
         offset = round_offset(round_index, 4)
-        groups = [group(offset + s, SIGNAL if x else FLAT) for s, x in enumerate(self.signal_by_round[round_index])]
-        random.Random(round_index).shuffle(groups)
-        return groups
+        candidates = [offset + s for s, x in enumerate(self.signal_by_round[round_index]) if x]
+        random.Random(round_index).shuffle(candidates)
+        return candidates
 
 
 def reference_selection(signal_by_round, num_prompts, max_rounds):
@@ -142,9 +145,7 @@ def test_selection_keeps_the_first_groups_with_signal_in_round_then_slot_order(c
     candidates, num_rounds = reference_selection(signal_by_round, 4, max_rounds)
     assert rounds.calls == list(range(num_rounds))  # stops early, never past the bound
     assert selection.num_rounds == num_rounds and selection.num_with_signal == len(candidates)
-    kept = candidates[:4]
-    assert [g.rollouts[0].prompt_index for g in selection.groups] == kept
-    assert [g.slot for g in selection.groups] == list(range(len(kept)))  # renumbered for training
+    assert selection.candidates == candidates[:4]
     short = len(candidates) < 4
     assert short == any("dynamic sampling" in r.message for r in caplog.records if r.levelno == logging.WARNING)
 
@@ -154,11 +155,42 @@ def test_selection_falls_short_quietly_off_the_logging_rank(caplog):
     with caplog.at_level(logging.WARNING):
         selection = select_groups_with_signal(rounds, num_prompts=4, max_rounds=2, warn=False)
     assert not caplog.records
-    assert (selection.num_rounds, selection.num_with_signal, len(selection.groups)) == (2, 1, 1)
+    assert (selection.num_rounds, selection.num_with_signal, selection.candidates) == (2, 1, [4])
     caplog.clear()
     with caplog.at_level(logging.WARNING):
         select_groups_with_signal(ScriptedRounds([[False] * 4] * 3), num_prompts=4, max_rounds=3, warn=True)
     assert len(caplog.records) == 1  # once per step, not once per round
+
+
+def test_each_kept_group_travels_once_to_the_rank_that_trains_its_new_slot():
+    """Three data-parallel ranks, 12 prompts per round in 2 mini-batches: each rank holds the
+    groups with signal of its own slots of every round; the selection's groups, renumbered,
+    reach the rank that trains their new slot from the rank that generated them, and a rank
+    receives no group (no byte) it does not train."""
+    num_prompts, num_ranks = 12, 3
+    slots_by_rank = [
+        [s for mb in rank_prompt_slots(num_prompts, 2, r, num_ranks) for s in mb] for r in range(num_ranks)
+    ]
+    signal = random.Random(0)
+    groups = {c: group(c, SIGNAL if signal.random() < 0.6 else FLAT) for c in range(3 * num_prompts)}  # rounds 0..2
+    held = [
+        {c: g for c, g in groups.items() if c % num_prompts in slots and not is_zero_variance(g)}
+        for slots in slots_by_rank
+    ]
+    with_signal = sorted(c for c, g in groups.items() if not is_zero_variance(g))
+    candidates = with_signal[:num_prompts]
+    assert max(candidates) >= num_prompts  # later rounds contribute
+    outgoing = [route_selected(candidates, held[r], slots_by_rank) for r in range(num_ranks)]
+    for r in range(num_ranks):
+        received = [g for source in range(num_ranks) for g in outgoing[source][r]]
+        expected = [
+            dataclasses.replace(groups[c], slot=slot) for slot, c in enumerate(candidates) if slot in slots_by_rank[r]
+        ]
+        assert sorted(received, key=lambda g: g.slot) == expected
+        from_others = [g for source in range(num_ranks) if source != r for g in outgoing[source][r]]
+        moved = [g for g in expected if candidates[g.slot] not in held[r]]
+        assert sorted(from_others, key=lambda g: g.slot) == moved
+    assert any(outgoing[s][r] for s in range(num_ranks) for r in range(num_ranks) if s != r)  # groups did move
 
 
 class RecordingGenerator:

@@ -4,6 +4,7 @@ log-probs sit on those tokens and whose advantage is the group's; the episode me
 counts by hand; and a broken environment stops the run with its name and the problem."""
 
 import dataclasses
+import traceback
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.rl.env_rollouts import EpisodeRunner
 from torchtitan_rl.rl.envs import EnvStep
 from torchtitan_rl.rl.generator import SamplingParams
+from torchtitan_rl.rl.plugins import UserCodeError
 from torchtitan_rl.rl.rollouts import rollout_metrics, rollout_sums, score_groups, to_samples
 from torchtitan_rl.rl.tasks import Reward
 from torchtitan_rl.rl.tasks.task import Problem
@@ -83,7 +85,7 @@ def test_episode_metrics_are_the_counts_by_hand():
     n = len(rollouts)
     observation = [sum(not m for m in r.loss_mask) for r in rollouts]
     assert values["rl/turns_mean"] == pytest.approx(sum(r.num_turns for r in rollouts) / n)
-    assert values["rl/tool_calls_mean"] == pytest.approx(sum(r.num_turns - 1 for r in rollouts) / n)
+    assert values["rl/observations_mean"] == pytest.approx(sum(r.num_turns - 1 for r in rollouts) / n)
     assert values["rl/observation_tokens_mean"] == pytest.approx(sum(observation) / n)
     lengths = [len(r.prompt_tokens) + len(r.completion_tokens) for r in rollouts]
     assert values["rl/episode_tokens_mean"] == pytest.approx(sum(lengths) / n)
@@ -94,6 +96,11 @@ def test_episode_metrics_are_the_counts_by_hand():
 class Raises(Counter):
     def step(self, completion):
         raise KeyError("boom")
+
+
+class RejectsItsProblem(Counter):
+    def __init__(self, problem):
+        raise ValueError(f"cannot read {problem.source}")
 
 
 class WrongType(Counter):
@@ -112,18 +119,24 @@ class AssistantObservation(Counter):
 
 
 @pytest.mark.parametrize(
-    "env_class, message",
+    "env_class, error, message",
     [
-        (Raises, "step() raised KeyError('boom')"),
-        (WrongType, "step() returned tuple, not an EnvStep"),
-        (NoObservation, "step() continued the episode without an observation"),
-        (AssistantObservation, "an observation cannot contain an assistant turn"),
+        # What the environment's code raises, a ValueError included, keeps its traceback.
+        (Raises, UserCodeError, "step() raised KeyError: 'boom'"),
+        (RejectsItsProblem, UserCodeError, "creating the environment raised ValueError: cannot read test #"),
+        (WrongType, ValueError, "step() returned tuple, not an EnvStep"),
+        (NoObservation, ValueError, "step() continued the episode without an observation"),
+        (AssistantObservation, ValueError, "an observation cannot contain an assistant turn"),
     ],
 )
-def test_a_broken_environment_is_named_with_the_problem(env_class, message):
-    with pytest.raises(ValueError, match=r"rl.env = 'test_env' on test #\d: ") as info:
+def test_a_broken_environment_is_named_with_the_problem(env_class, error, message):
+    with pytest.raises(error, match=r"rl.env = 'test_env' on test #\d: ") as info:
         run(env_class)
     assert message in str(info.value)
+    if error is UserCodeError:
+        # Chained: the user's exception, with its traceback down to the environment's frame.
+        frame = traceback.extract_tb(info.value.__cause__.__traceback__)[-1]
+        assert (frame.filename, frame.name) == (__file__, "step" if env_class is Raises else "__init__")
 
 
 def test_observations_that_do_not_fit_end_the_episode_as_truncated():

@@ -3,7 +3,9 @@
 import path with named errors, and the observation tokens against the tokens of the whole
 conversation as an SFT row."""
 
+import math
 import random
+import warnings
 
 import pytest
 
@@ -29,6 +31,75 @@ def test_the_calculator_computes_what_python_does():
         expression = random_expression(rng)
         assert evaluate(expression) == eval(expression), expression  # noqa: S307  (the reference)
     assert evaluate(" -3 * (2 + 4) ") == -18
+
+
+def random_tokens(rng: random.Random, num_tokens: int) -> str:
+    """A sequence of integers (no leading zeros, which Python refuses), operators and
+    parentheses, spaced so that no two tokens merge (``* *`` is not ``**``): mostly what
+    may come next in an expression, sometimes any token."""
+    tokens = []
+    for _ in range(num_tokens):
+        number = str(rng.randint(0, 999))
+        if rng.random() < 0.15:
+            choices = [number, "+", "-", "*", "(", ")"]
+        elif tokens and (tokens[-1] == ")" or tokens[-1].isdigit()):
+            choices = ["+", "-", "*", ")"] if tokens.count("(") > tokens.count(")") else ["+", "-", "*"]
+        else:
+            choices = [number, number, "(", "-", "+"]
+        tokens.append(rng.choice(choices))
+    return " ".join(tokens)
+
+
+def test_the_calculator_accepts_exactly_what_python_computes_as_an_integer():
+    """At most 10 three-digit numbers: no product reaches the 30-digit bound."""
+    rng = random.Random(1)
+    num_valid = 0
+    for _ in range(3000):
+        expression = random_tokens(rng, rng.randint(1, 19))
+        try:
+            with warnings.catch_warnings(action="ignore", category=SyntaxWarning):  # "2 (3)": a call
+                expected = eval(expression)  # noqa: S307  (the reference)
+        except Exception:  # noqa: BLE001  (a syntax error, or a call of an integer: "2 (3)")
+            expected = None
+        if type(expected) is int:
+            num_valid += 1
+            assert evaluate(expression) == expected, expression
+        else:
+            with pytest.raises(ValueError):
+                evaluate(expression)
+    assert min(num_valid, 3000 - num_valid) > 250  # both kinds are well represented
+
+
+def test_the_calculator_takes_calls_of_any_length_and_nesting():
+    """Thousands of terms or nested parentheses, beyond what Python's own parser takes."""
+    rng = random.Random(2)
+    for num_terms in (1000, 20_000):
+        assert evaluate("+".join(["1"] * num_terms)) == num_terms
+        terms = [[rng.randint(-9, 9) for _ in range(rng.randint(1, 3))] for _ in range(num_terms)]
+        text = " + ".join(" * ".join(f"({f})" if f < 0 else str(f) for f in term) for term in terms)
+        assert evaluate(text) == sum(math.prod(term) for term in terms)
+    for depth in (1000, 20_000):
+        assert evaluate("(" * depth + "7" + ")" * depth) == 7
+        assert evaluate("(1 + " * depth + "1" + ")" * depth) == depth + 1
+        assert evaluate("-(" * depth + "5" + ")" * depth) == (-1) ** depth * 5
+        assert evaluate("- " * depth + "5") == (-1) ** depth * 5
+        for unbalanced in ("(" * depth + "7" + ")" * (depth - 1), "(" * (depth - 1) + "7" + ")" * depth):
+            with pytest.raises(ValueError, match="not an expression"):
+                evaluate(unbalanced)
+
+
+def test_a_long_or_broken_tool_call_is_a_tool_error_the_policy_reads():
+    env = CalculatorEnv(problem("What is 1 + 1?", "2"))
+    assert env.step(f"<tool>{'+'.join(['1'] * 5000)}</tool>").observation[0]["content"] == "<result>5000</result>"
+    rng = random.Random(3)
+    calls = ["(" * 5000 + "1", "1" + ")" * 5000, "1 +" * 5000, "9" * 5000, "9" * 25 + " * 9" * 5000]
+    calls += ["".join(rng.choice("0123456789+-*() x/.") for _ in range(rng.randint(0, 3000))) for _ in range(200)]
+    for call in calls:
+        result = env.step(f"<tool>{call}</tool>")
+        assert not result.done and result.reward == 0.0 or result.observation[0]["content"].startswith("<result>")
+        if result.observation[0]["content"].startswith("<error>"):
+            # It quotes the start of a long call, not all of it: the policy has a length budget.
+            assert len(result.observation[0]["content"]) < 200, result.observation
 
 
 @pytest.mark.parametrize(

@@ -2,13 +2,19 @@
 episode at every token (tokens exactly, log-probs to float rounding), with observations of
 different lengths arriving at different times and episodes ending for every reason; the
 result's masks and log-probs line up with what was sampled and what the caller appended; a
-single-turn episode is the single-turn rollout; and an episode does not depend on the batch
-it is generated in."""
+single-turn episode is the single-turn rollout; an episode does not depend on the batch
+it is generated in; and the cache's memory, measured (CPU profiler) on a wider model, follows
+what the episodes reach, and feeding an observation reads it without copying it."""
+
+import contextlib
+import dataclasses
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from test_generator import ARGS, PROMPTS, generate, generator_for, noisy_model
+from torchtitan_rl.profiling import cpu_memory_timeline
 from torchtitan_rl.rl.episodes import generate_episodes
 from torchtitan_rl.rl.generator import SamplingParams
 
@@ -116,3 +122,84 @@ def test_prompts_that_leave_no_room_are_refused(model):
         episodes(generator_for(model), max_len=17)
     with pytest.raises(ValueError, match="exceed the model's max_seq_len"):
         episodes(generator_for(model), max_len=ARGS.max_seq_len + 1)
+
+
+# Heads wide enough that the KV cache, not the activations, is what a forward could copy.
+WIDE = dataclasses.replace(
+    ARGS,
+    dim=128,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=256,
+    max_seq_len=2048,
+    attn_backend="sdpa_varlen",
+)
+
+
+def cache_bytes(args, num_rows: int, num_slots: int) -> int:
+    """Keys and values of every layer for ``num_slots`` tokens of ``num_rows`` rows, float32."""
+    return 2 * args.n_layers * num_rows * num_slots * args.n_kv_heads * args.head_dim * 4
+
+
+@contextlib.contextmanager
+def peak_bytes_per_forward(model: torch.nn.Module):
+    """Collects (tokens fed, peak bytes allocated during it and still alive) of each forward of
+    ``model``; memory from before the forward, the KV cache included, is not counted."""
+    peaks, running = [], []
+
+    def start(module, args, kwargs):
+        running.append(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+        running[-1].start()
+
+    def stop(module, args, kwargs, output):
+        prof = running.pop()
+        prof.stop()
+        peaks.append((args[0].numel(), cpu_memory_timeline(prof)["peak_allocated_bytes"]))
+
+    handles = [
+        model.register_forward_pre_hook(start, with_kwargs=True),
+        model.register_forward_hook(stop, with_kwargs=True),
+    ]
+    try:
+        yield peaks
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@pytest.fixture(scope="module")
+def wide_generator():
+    return generator_for(noisy_model(WIDE, std=0.6), WIDE)
+
+
+def test_feeding_long_observations_allocates_less_than_the_cache(wide_generator):
+    """Rows of ~1000 tokens get 120-token observations: every forward after the prefill
+    allocates less than the cache the episodes fill. Gathering each new token's cache rows
+    would copy a row's span per token and layer: about 40 such caches here."""
+    prompts = [[(7 * i + p) % 64 for i in range(900)] for p in range(2)]
+    observation = [40 + i % 20 for i in range(120)]
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=tuple(range(32)))
+    with peak_bytes_per_forward(wide_generator.model) as peaks:
+        result = generate_episodes(
+            wide_generator, prompts, [0, 1], 2, params, 5, 2, lambda p, s, t: observation, 4, 1400
+        )
+    cache = cache_bytes(WIDE, len(result), max(len(e.tokens) for e in result))
+    # Premises: forwards fed several observations at once, and single tokens, over ~1000 slots.
+    assert max(n for n, _ in peaks[1:]) > 2 * len(observation) and min(n for n, _ in peaks) == 1
+    assert min(len(e.tokens) for e in result) > 1000
+    assert max(peak for _, peak in peaks[1:]) < cache, [round(peak / cache, 3) for _, peak in peaks]
+
+
+def test_the_cache_follows_what_the_episodes_reach(wide_generator):
+    """With a length budget far above what the episodes reach, the whole generation's peak
+    memory stays within a few caches of (longest episode + max_new_tokens) slots per row, not
+    one of max_len slots (~45 of them here)."""
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=STOPS)
+    max_len = WIDE.max_seq_len - 48
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = generate_episodes(wide_generator, PROMPTS, [0, 1, 2], 4, params, 5, 2, scripted_respond(), 3, max_len)
+    reach = max(len(e.tokens) for e in result) + params.max_new_tokens
+    assert max(e.num_turns for e in result) == 3 and reach * 40 < max_len  # premises
+    peak = cpu_memory_timeline(prof)["peak_allocated_bytes"]
+    assert peak < 3 * cache_bytes(WIDE, len(result), reach), peak / cache_bytes(WIDE, len(result), reach)

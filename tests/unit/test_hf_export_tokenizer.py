@@ -24,7 +24,7 @@ from torchtitan_rl.data.chat import render_chat, tokenize_prompt, tokenize_row
 from torchtitan_rl.data.tokenizer import ByteTokenizer, build_tokenizer
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.hf_checkpoint import save_hf_checkpoint
-from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer, byte_tokenizer_json
 from torchtitan_rl.models.registry import get_model_spec
 from torchtitan_rl.recipes.base import build_model
 from torchtitan_rl.recipes.sft import SFTRecipe
@@ -244,6 +244,21 @@ def test_copied_tokenizer_export_holds_its_stop_token_ids(tmp_path, stop_tokens)
 def test_a_stop_token_the_tokenizer_lacks_is_refused_naming_the_key():
     with pytest.raises(ValueError, match=r"generation.stop_tokens: '</s>' is not a special token"):
         ExportTokenizer.for_run(BYTES, "", ["<|im_end|>", "</s>"])
+
+
+def test_a_tokenizer_that_is_not_the_one_of_hf_assets_path_is_a_value_error(tmp_path):
+    # An error, not an assert: it must also stop a run under ``python -O``.
+    with pytest.raises(ValueError, match=r"model.hf_assets_path = 'assets/qwen', but the run's tokenizer is a ByteTo"):
+        ExportTokenizer.for_run(BYTES, "assets/qwen", STOP_TOKENS)
+    hf_tokenizer = build_tokenizer(str(make_hf_tokenizer_dir(tmp_path)))
+    with pytest.raises(ValueError, match=r"no model.hf_assets_path, but the run's tokenizer is a HFTokenizer"):
+        ExportTokenizer.for_run(hf_tokenizer, "", STOP_TOKENS)
+
+
+def test_a_tokenizers_library_with_another_byte_alphabet_is_a_runtime_error(monkeypatch):
+    monkeypatch.setattr(tokenizers.pre_tokenizers.ByteLevel, "alphabet", staticmethod(lambda: ["a", "b"]))
+    with pytest.raises(RuntimeError, match="the ByteLevel alphabet is not the 256 byte symbols"):
+        byte_tokenizer_json()
 
 
 def test_an_sft_run_exports_a_complete_hf_model(tmp_path):

@@ -1,5 +1,5 @@
 """The import graph of the package, read with ``ast`` (nothing is imported): no cycles, and the
-layering rules that keep each part usable on its own.
+layering that keeps each part usable on its own.
 
 Every import statement counts, those inside functions too (a lazy import is still a
 dependency). ``from x import y`` is an edge to ``x.y`` when that is a module, else to ``x``.
@@ -10,6 +10,33 @@ from pathlib import Path
 
 PACKAGE = "torchtitan_rl"
 PACKAGE_DIR = Path(__file__).resolve().parents[2] / PACKAGE
+
+# Module prefix -> layer. A module imports modules of its own part (its longest prefix here) and
+# of lower layers only; parts on the same layer are independent of each other. Every module of
+# the package falls under one prefix, so a new top-level module must be placed here.
+LAYERS = {
+    PACKAGE: 0,  # the package's __init__: empty
+    f"{PACKAGE}.compat": 0,  # the torch-version differences
+    # The keys, their types, ranges and the rules on their values: a run's config is parsed and
+    # checked without torch or any part of the package.
+    f"{PACKAGE}.config": 1,
+    f"{PACKAGE}.tensorboard_io": 1,  # reads logged scalars back (scripts, tests)
+    f"{PACKAGE}.distributed": 2,  # torch.distributed building blocks
+    f"{PACKAGE}.optim": 2,  # AdamW and the schedule, over plain and DTensor parameters
+    f"{PACKAGE}.data": 3,
+    f"{PACKAGE}.models": 3,
+    f"{PACKAGE}.profiling": 3,  # memory snapshots: the [profiling] section and the mesh
+    f"{PACKAGE}.losses": 4,
+    f"{PACKAGE}.hf_tokenizer_files": 4,  # what an export writes of the tokenizer (data's tokenizers)
+    f"{PACKAGE}.engine": 5,
+    f"{PACKAGE}.rl": 5,
+    f"{PACKAGE}.metrics": 5,  # global reductions of the losses' and router's step results
+    # Checkpoints: HF files of a model, a PEFT adapter on top of them, DCP runs that export both.
+    f"{PACKAGE}.hf_checkpoint": 5,
+    f"{PACKAGE}.peft_checkpoint": 6,
+    f"{PACKAGE}.checkpoint": 7,
+    f"{PACKAGE}.recipes": 8,  # builds and runs everything; the rules on a config that need its parts
+}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -83,11 +110,28 @@ def test_distributed_depends_only_on_torch_and_compat():
         assert not outside, f"{name} imports {sorted(outside)}"
 
 
-def test_rl_imports_no_recipe():
-    recipes = f"{PACKAGE}.recipes"
-    for name, targets in imports_under(import_graph(PACKAGE_DIR), f"{PACKAGE}.rl").items():
-        found = {t for t in targets if t == recipes or t.startswith(recipes + ".")}
-        assert not found, f"{name} imports {sorted(found)}"
+def part_of(name: str, layers: dict[str, int]) -> str | None:
+    """The longest prefix of ``layers`` that ``name`` falls under, or None."""
+    prefixes = [p for p in layers if name == p or name.startswith(p + ".")]
+    return max(prefixes, key=len, default=None)
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    """Modules without a layer, and every import of a module of the same or a higher layer
+    than the importer's that is not of the importer's own part."""
+    problems = [f"{name} has no layer" for name in sorted(graph) if part_of(name, layers) is None]
+    for name, targets in sorted(graph.items()):
+        source = part_of(name, layers)
+        for target in sorted(targets):
+            part = part_of(target, layers)
+            if None not in (source, part) and part != source and layers[part] >= layers[source]:
+                problems.append(f"{name} (layer {layers[source]}) imports {target} (layer {layers[part]})")
+    return problems
+
+
+def test_layers():
+    problems = layer_violations(import_graph(PACKAGE_DIR), LAYERS)
+    assert not problems, "\n".join(problems)
 
 
 def test_graph_reader_on_a_small_package(tmp_path):
@@ -112,5 +156,21 @@ def test_graph_reader_on_a_small_package(tmp_path):
         "pkg.sub.c": {"pkg.sub.b", "pkg"},
     }
     assert find_cycle(graph) == ["pkg.a", "pkg.sub.b", "pkg.a"]
+    # Layers: a (1) over sub (0) allows a -> sub.b only; sub.c -> pkg is an import of the
+    # package's own part (the longest prefix of pkg.sub.c is pkg.sub, a different part).
+    layers = {"pkg": 0, "pkg.a": 1, "pkg.sub": 0}
+    assert layer_violations(graph, layers) == [
+        "pkg.sub.b (layer 0) imports pkg.a (layer 1)",
+        "pkg.sub.c (layer 0) imports pkg (layer 0)",
+    ]
+    assert layer_violations(graph, {"pkg.a": 1}) == [
+        "pkg has no layer",
+        "pkg.sub has no layer",
+        "pkg.sub.b has no layer",
+        "pkg.sub.c has no layer",
+    ]
     graph["pkg.sub.b"] = set()
     assert find_cycle(graph) is None
+    assert layer_violations(graph, {"pkg": 0, "pkg.a": 1, "pkg.sub": 2}) == [
+        "pkg.a (layer 1) imports pkg.sub.b (layer 2)"
+    ]

@@ -13,6 +13,7 @@ from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.recipes.base import REDUCE_DTYPES, describe_os_error, model_args_from_config
 from torchtitan_rl.recipes.grpo import GRPORecipe, build_grpo
+from torchtitan_rl.recipes.grpo_data import generation_dtype
 from torchtitan_rl.recipes.sft import SFTRecipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -161,3 +162,20 @@ def test_every_reduce_dtype_choice_maps_to_a_torch_dtype():
     field = JobConfig.__dataclass_fields__["training"].type.__dataclass_fields__["mixed_precision_reduce"]
     assert set(REDUCE_DTYPES) == set(typing.get_args(field.type))
     assert REDUCE_DTYPES[parse().training.mixed_precision_reduce] == torch.float32
+
+
+@pytest.mark.parametrize(
+    "options, device, expected",
+    [
+        ((), "cpu", torch.float32),  # auto: the CPU trains in float32
+        ((), "cuda", torch.bfloat16),  # auto: the trainer's bfloat16 compute
+        (("--training.mixed_precision_param", "float32"), "cuda", torch.float32),
+        (("--generation.dtype", "bfloat16"), "cpu", torch.bfloat16),
+        (("--generation.dtype", "float32"), "cuda", torch.float32),
+    ],
+)
+def test_generation_dtype_auto_is_the_trainer_compute_dtype_and_a_choice_wins(options, device, expected):
+    cfg = parse("--job.recipe", "grpo", *options)
+    if "--generation.dtype" not in options:
+        assert cfg.generation.dtype == "auto"  # the default
+    assert generation_dtype(cfg, torch.device(device)) == expected

@@ -1,9 +1,10 @@
 """GRPO compute balancing over data-parallel ranks (``rl.rollouts.plan_dp_balance`` and the
-exchange around it), with the collectives replaced by plain lists: every rank's outgoing
-samples are "gathered" by listing them in rank order, as ``all_gather_object`` returns them.
+exchange around it), with the collectives replaced by plain lists: what rank s addresses to
+rank d arrives at d as the s-th entry, as ``all_to_all_objects`` delivers it.
 
 Checked: every sample of a mini-batch is trained by exactly one rank, each rank's samples keep
-the global (slot, sample) order, the plan depends on the lengths alone, balancing lowers the
+the global (slot, sample) order, a rank receives only the samples it trains from another rank
+(no byte of any other), the plan depends on the lengths alone, balancing lowers the
 slowest rank's cost on skewed rollouts (the logged imbalance recomputed here from what each rank
 ends up holding), and with balancing off, or already even shares, nothing moves.
 """
@@ -50,11 +51,14 @@ def rank_minibatches(completion_lengths: list[list[list[list[int]]]]) -> list[li
 
 
 def exchange(per_rank: list[list[list]], balance: bool) -> tuple[list[list[list]], dict, list]:
-    """What ``balance_over_data_parallel`` does on every rank, the all-gathers done by hand."""
+    """What ``balance_over_data_parallel`` does on every rank, the collectives done by hand.
+    Also returns, per rank, what it received from each other rank."""
     lengths = [[[len(s) for s in mb] for mb in minibatches] for minibatches in per_rank]
     plan, stats = plan_dp_balance(lengths, balance)
-    gathered = [outgoing_samples(plan, r, per_rank[r]) for r in range(len(per_rank))]
-    return [assemble_minibatches(plan, r, per_rank[r], gathered) for r in range(len(per_rank))], stats, gathered
+    outgoing = [outgoing_samples(plan, r, per_rank[r]) for r in range(len(per_rank))]
+    received = [[outgoing[s][r] for s in range(len(per_rank))] for r in range(len(per_rank))]
+    assigned = [assemble_minibatches(plan, r, per_rank[r], received[r]) for r in range(len(per_rank))]
+    return assigned, stats, received
 
 
 def global_order(per_rank: list[list[list]], m: int) -> list:
@@ -90,7 +94,7 @@ def key(sample) -> tuple:
 @pytest.mark.parametrize("data", [SKEWED, SKEWED[:2], SKEWED[1:]], ids=["dp3", "dp2", "dp2_short_first"])
 def test_every_sample_trained_once_in_global_order_and_more_even(data):
     per_rank = rank_minibatches(data)
-    assigned, stats, gathered = exchange(per_rank, balance=True)
+    assigned, stats, received = exchange(per_rank, balance=True)
     for m in range(len(per_rank[0])):
         whole = global_order(per_rank, m)
         position = {key(s): i for i, s in enumerate(whole)}
@@ -108,12 +112,15 @@ def test_every_sample_trained_once_in_global_order_and_more_even(data):
                     assert getattr(sample, name).dtype == value.dtype and torch.equal(getattr(sample, name), value)
                 else:
                     assert getattr(sample, name) == value, name
-    # Only samples that changed rank travel.
-    for r, sent in enumerate(gathered):
-        kept = {key(s) for m in range(len(per_rank[r])) for s in assigned[r][m]}
-        own = {key(s) for minibatches in per_rank[r] for s in minibatches}
-        assert {key(s) for s in sent} == own - kept and len(sent) == len(own - kept)
-    assert sum(map(len, gathered)) > 0
+    # A rank receives from rank s exactly the samples of s that it trains: the movers, each
+    # to its trainer alone, and no byte of a sample trained elsewhere.
+    for r, by_source in enumerate(received):
+        trained = {key(s) for minibatches in assigned[r] for s in minibatches}
+        for source, samples in enumerate(by_source):
+            own = {key(s) for minibatches in per_rank[source] for s in minibatches}
+            expected = set() if source == r else own & trained
+            assert {key(s) for s in samples} == expected and len(samples) == len(expected), (r, source)
+    assert sum(len(samples) for by_source in received for samples in by_source) > 0
     # The logged values are those of the splits really used, recomputed from the ranks' samples.
     assert stats["dp_cost_imbalance"] == pytest.approx(slowest_over_mean(assigned))
     assert stats["dp_cost_imbalance_balanced"] == stats["dp_cost_imbalance"]
@@ -135,8 +142,8 @@ def test_plan_is_the_cost_assignment_of_the_global_order():
 
 def test_balancing_off_keeps_every_rank_share_and_logs_its_imbalance():
     per_rank = rank_minibatches(SKEWED)
-    assigned, stats, gathered = exchange(per_rank, balance=False)
-    assert gathered == [[], [], []]
+    assigned, stats, received = exchange(per_rank, balance=False)
+    assert received == [[[], [], []]] * 3
     for r in range(3):
         assert [[id(s) for s in mb] for mb in assigned[r]] == [[id(s) for s in mb] for mb in per_rank[r]]
     assert (
@@ -150,8 +157,8 @@ def test_balancing_off_keeps_every_rank_share_and_logs_its_imbalance():
 def test_even_shares_stay_put():
     even = [[[[10, 20, 30]], [[5, 5, 5]]], [[[30, 20, 10]], [[5, 5, 5]]]]
     per_rank = rank_minibatches(even)
-    assigned, stats, gathered = exchange(per_rank, balance=True)
-    assert gathered == [[], []]
+    assigned, stats, received = exchange(per_rank, balance=True)
+    assert received == [[[], []]] * 2
     assert stats == {
         "dp_cost_imbalance": 1.0,
         "dp_cost_imbalance_contiguous": 1.0,

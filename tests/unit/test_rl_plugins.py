@@ -5,15 +5,16 @@ rows, the errors name the function and the problem."""
 import json
 import math
 import re
+import traceback
 from pathlib import Path
 
 import pytest
 
 from rl_plugins import sort_digits
 from torchtitan_rl.rl.generator import Rollout
+from torchtitan_rl.rl.plugins import UserCodeError
 from torchtitan_rl.rl.rollouts import ScoredGroup, rollout_metrics, rollout_sums
 from torchtitan_rl.rl.tasks import PluginTask, build_task
-from torchtitan_rl.rl.tasks.plugin import RewardFunctionError
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ROWS = [
@@ -106,7 +107,9 @@ def test_reward_components_are_logged_as_their_means():
 @pytest.mark.parametrize(
     "name, error, message",
     [
-        ("raises", RewardFunctionError, "raised ZeroDivisionError: division by zero on problem reverse train #0"),
+        ("raises", UserCodeError, "raised ZeroDivisionError: division by zero on problem reverse train #0"),
+        # The user's own ValueError is an error in their code, not a mistake of the config.
+        ("raises_value_error", UserCodeError, "raised ValueError: no score for 'abc' on problem reverse train #0"),
         ("returns_nan", ValueError, "on problem reverse train #0: the reward is nan; it must be a finite number"),
         ("returns_text", ValueError, "the reward is '1.0'; it must be a finite number"),
         ("returns_empty", ValueError, "returned an empty dict"),
@@ -120,6 +123,10 @@ def test_a_broken_reward_names_the_function_and_the_problem(name, error, message
     with pytest.raises(error, match=re.escape(f"rl.reward_fn = 'rl_plugins:{name}'")) as info:
         task.reward(task.train_problems[0], "abc", True)
     assert message in str(info.value)
+    if error is UserCodeError:
+        # The user's exception is chained with its traceback down to the user's own frame.
+        frames = traceback.extract_tb(info.value.__cause__.__traceback__)
+        assert (Path(frames[-1].filename).name, frames[-1].name) == ("__init__.py", name)
 
 
 def test_components_must_keep_their_names():
@@ -173,7 +180,7 @@ def test_a_task_factory_makes_the_pools_and_its_reward_scores_by_hand():
     "path, error, message",
     [
         ("rl_plugins:factory_with_unknown_argument", ValueError, "missing a required argument: 'flavour'"),
-        ("rl_plugins:factory_raises", RuntimeError, "the task factory raised RuntimeError: no data today"),
+        ("rl_plugins:factory_raises", UserCodeError, "the task factory raised RuntimeError: no data today"),
         ("rl_plugins:factory_without_reward", ValueError, "rl.task = 'rl_plugins:factory_without_reward .reward'"),
         ("rl_plugins:factory_eval_repeats_train", ValueError, "eval problem mine has the prompt of train problem mine"),
         ("rl_plugins:factory_bad_row", ValueError, "train_problems[0]: needs exactly one of 'prompt' and 'messages'"),

@@ -1,8 +1,11 @@
 """The rollout ranks' schedule and bookkeeping, without processes: which weights generate each
 step (against the definition: the lag never exceeds max_staleness and is as small as the run
 allows), which versions the trainers send (against the set the schedule uses, by brute force),
-how the weights are cut into broadcasts and described in their header, which saved rollouts a resumed run keeps, and the
-config rules of rollout ranks."""
+how the weights are cut into broadcasts and described in their header, which saved rollouts a resumed run keeps
+(each trainer its share of them), and the config rules of rollout ranks."""
+
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,17 +13,21 @@ from test_config import assert_error, parse
 from test_generator import ARGS
 from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.recipes.base import build_parallel_dims
+from torchtitan_rl.rl import rollout_ranks
 from torchtitan_rl.rl.generator import sync_names, trained_parameters
 from torchtitan_rl.rl.rollout_ranks import (
+    RolloutClient,
     StepBatch,
     check_weights_header,
     generation_version,
     is_version_sent,
+    receive_finished,
     staleness,
     usable_in_flight,
     weight_buckets,
     weights_header,
 )
+from torchtitan_rl.rl.rollouts import ScoredGroup
 
 GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
 
@@ -97,7 +104,7 @@ def test_a_weights_header_describes_what_is_sent_and_a_mismatch_is_a_clear_error
 
 
 def batch(step: int, version: int) -> StepBatch:
-    return StepBatch(step, version, [], [], {}, {"epoch": 0, "position": step}, 0, 0.0)
+    return StepBatch(step, version, [], {}, {"epoch": 0, "position": step}, 0, 0.0)
 
 
 def test_a_resumed_run_keeps_the_saved_rollouts_its_staleness_allows_up_to_the_first_it_does_not():
@@ -112,13 +119,53 @@ def test_a_resumed_run_keeps_the_saved_rollouts_its_staleness_allows_up_to_the_f
     assert usable_in_flight({6: batch(6, 4)}, 4, 2) == {}  # step 5 missing: nothing after it is kept
 
 
+def test_a_checkpoint_of_whole_batches_resumes_on_another_layout_each_rank_with_its_share():
+    """A checkpoint holds every slot's groups (``prepare_checkpoint``, here on one data-parallel
+    rank); a resumed trainer keeps those of its own slots, whatever layout saved them."""
+    groups = [ScoredGroup(slot, [], [], []) for slot in range(6)]
+    saving = RolloutClient(SimpleNamespace(), None, num_steps=9, max_staleness=2, slots=list(range(6)), batch_mesh=None)
+    saving.in_flight = {7: dataclasses.replace(batch(7, 5), kept=groups), 6: batch(6, 4)}
+    saving.prepare_checkpoint()
+    for slots in ([0, 1, 2], [3, 4, 5], [1, 4]):  # dp 2, or a share of another cut
+        resumed = RolloutClient(SimpleNamespace(), None, num_steps=9, max_staleness=2, slots=slots, batch_mesh=None)
+        resumed.load_state_dict(saving.state_dict())
+        assert sorted(resumed.in_flight) == [6, 7]
+        assert [g.slot for g in resumed.in_flight[7].kept] == slots
+        assert resumed.in_flight[7].stream_state == batch(7, 5).stream_state and resumed.in_flight[6].kept == []
+
+
+def test_protocol_violations_are_runtime_errors_that_say_what_broke(monkeypatch):
+    """Checked under ``python -O`` too: a batch that lags more than the run's K, one that comes
+    out of order, a last message that is not ``FINISHED``."""
+    topology = SimpleNamespace(leader=2)
+    client = RolloutClient(topology, None, num_steps=5, max_staleness=1, slots=[], batch_mesh=None)
+    client.in_flight, client._next_received = {3: batch(3, 0)}, 4
+    with pytest.raises(RuntimeError, match=r"step 3 come from the weights of version 0, 2 steps behind, more than rl"):
+        client.batch(3)
+    client._next_received = 4
+    monkeypatch.setattr(rollout_ranks, "receive_object", lambda src, topology, what: batch(5, 3))
+    with pytest.raises(RuntimeError, match="rollout rank 2 sent the rollouts of step 5 where those of step 4 were due"):
+        client.receive_until(4)
+    monkeypatch.setattr(rollout_ranks, "receive_object", lambda src, topology, what: {"version": 0})
+    with pytest.raises(RuntimeError, match=r"sent a dict where its last message \('finished'\) was due"):
+        receive_finished(topology)
+    monkeypatch.setattr(rollout_ranks, "receive_object", lambda src, topology, what: rollout_ranks.FINISHED)
+    receive_finished(topology)
+
+
 def test_rollout_rank_config_rules_name_the_key():
     cfg = parse(*GRPO, "--parallelism.rollout_ranks", "1", "--rl.max_staleness", "2")
     assert (cfg.parallelism.rollout_ranks, cfg.rl.max_staleness) == (1, 2)
     assert_error(["--parallelism.rollout_ranks", "1"], "parallelism.rollout_ranks: only used with job.recipe = 'grpo'")
     assert_error([*GRPO, "--rl.max_staleness", "1"], "rl.max_staleness=1", "parallelism.rollout_ranks >= 1")
     assert_error([*GRPO, "--parallelism.rollout_ranks", "-1"], "parallelism.rollout_ranks")
-    assert_error([*GRPO, "--comm.rollout_timeout_seconds", "0"], "comm.rollout_timeout_seconds")
+    assert_error([*GRPO, "--comm.silent_peer_timeout_seconds", "0"], "comm.silent_peer_timeout_seconds")
+    assert_error(
+        [*GRPO, "--parallelism.rollout_ranks", "1", "--comm.silent_peer_timeout_seconds", "300"],
+        "comm.silent_peer_timeout_seconds=300: must be below comm.collective_timeout_seconds=300",
+    )
+    # Without rollout ranks nothing waits on a silent peer.
+    assert parse(*GRPO, "--comm.silent_peer_timeout_seconds", "300").comm.silent_peer_timeout_seconds == 300
 
 
 def test_rollout_ranks_leave_the_rest_of_the_launch_to_the_training_degrees():

@@ -6,7 +6,7 @@ the field (``bounded``) so the parser can check them and ``--help`` can print th
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from torchtitan_rl.config.validation import validate_job_config
 
@@ -105,9 +105,9 @@ class Optimizer:
     """Decoupled (AdamW) weight decay."""
 
     implementation: Literal["auto", "fused", "foreach"] = "auto"
-    """AdamW kernel: fused (one kernel per parameter group; measured several times faster than
-    foreach on CPU and equal to it up to float rounding, docs/benchmarks/optimizer.md) or foreach
-    (multi-tensor ops). auto picks fused."""
+    """AdamW kernel: fused (one kernel per parameter group; equal to foreach up to float
+    rounding; figures in docs/benchmarks/optimizer.md) or foreach (multi-tensor ops). auto picks
+    fused."""
 
 
 @dataclass
@@ -297,7 +297,7 @@ class Loss:
     token_mean_legacy: token mean per micro-batch, then mean over micro-batches; reproduces
     the old layout-dependent behaviour on purpose.
     prompt_mean: every prompt group weighs the same, then every token within it
-    (1/(P*N_p), SkyRL); RL recipes only, samples need a prompt group."""
+    (1/(P*N_p)); RL recipes only, samples need a prompt group."""
 
     horizon: int | None = bounded(None, gt=0)
     """The constant L of seq_mean_token_sum_norm. None uses training.seq_len."""
@@ -336,7 +336,7 @@ class Loss:
     kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator, with d = log p_theta - log p_ref: k1 = d, k2 = d^2/2,
     k3 = exp(-d) - 1 + d (unclamped: up to ~5e8 per token when p_theta << p_ref),
-    low_var_kl = min(k3, 10), the default: what verl and SkyRL call k3."""
+    low_var_kl = min(k3, 10), the default (the clamped k3)."""
 
     entropy_coef: float = 0.0
     """Coefficient of the entropy bonus: the loss gets -entropy_coef * H_t per token
@@ -356,15 +356,15 @@ class MoE:
     values of the imported config.json (a named flavor: 0.001 and false)."""
 
     aux_loss_scope: Literal["global", "sequence", "microbatch"] = "global"
-    """Which tokens one load-balancing loss covers. global: the whole mini-batch (HF's / Qwen's
-    global-batch balance; with several micro-batches per rank a no-grad counting pass routes
+    """Which tokens one load-balancing loss covers. global: the whole mini-batch (global-batch
+    balance; with several micro-batches per rank a no-grad counting pass routes
     them all first). sequence: each sequence, averaged over sequences. microbatch: each
     micro-batch, averaged over micro-batches; depends on the parallel layout on purpose
     (like loss.reduction = token_mean_legacy)."""
 
     aux_loss_layers: Literal["pooled", "sum"] = "pooled"
-    """pooled: one loss over the statistics of all MoE layers (HF). sum: one loss per layer,
-    summed (Megatron)."""
+    """pooled: one loss over the statistics of all MoE layers (the form a Hugging Face
+    Qwen3-MoE export computes). sum: one loss per layer, summed."""
 
     z_loss_coef: float = bounded(0.0, ge=0)
     """Coefficient of the router z-loss, the mean over real tokens of the sum over MoE layers of
@@ -504,8 +504,8 @@ class RL:
     """Passes over each rollout batch."""
 
     num_minibatches: int = bounded(1, ge=1)
-    """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1, or
-    a rollout correction) the policy's log-probs before the update are recomputed (the proximal
+    """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1, a
+    rollout correction, or rl.max_staleness > 0) the policy's log-probs before the update are recomputed (the proximal
     policy pi_prox) and are the ratio's denominator (decoupled PPO); the sampler's log-probs are
     kept apart for the correction."""
 
@@ -514,11 +514,13 @@ class RL:
     rho = pi_prox / pi_sampler (per token, or the sequence's product, see
     rl.rollout_correction_level): tis: min(rho, max). mis: rho where rho <= max, else 0.
     icepop: rho where min <= rho <= max, else 0. geo_mask: 1 where the sequence's geometric
-    mean ratio is in [min, max], else 0 (always per sequence). none: 1. A weight of 0 masks
+    mean ratio is in [min, max], else 0 (per sequence: set rl.rollout_correction_level =
+    "sequence"). none: 1. A weight of 0 masks
     the token (it still counts in the reduction). Recomputes pi_prox every step."""
 
     rollout_correction_level: Literal["token", "sequence"] = "token"
-    """Whether rho is each token's ratio or its sequence's product of ratios (tis, mis, icepop)."""
+    """Whether rho is each token's ratio or its sequence's product of ratios (tis, mis, icepop);
+    geo_mask works per sequence and takes "sequence" only."""
 
     rollout_correction_max: float = bounded(2.0, gt=0)
     """The cap C of tis and the upper bound of mis, icepop and geo_mask."""
@@ -584,8 +586,9 @@ class RL:
     (t, K) only, never on timing. Above 0 the proximal log-probs are recomputed, so the ratio is
     taken to the policy before the update and rl.rollout_correction weights the gap to the
     sampler's weights (decoupled PPO). Logged: rl/staleness_mean, rl/staleness_max (in steps,
-    over the trained rollouts) and rl/dropped_stale (rollout batches dropped for lagging more
-    than K, which only a resume with a smaller K meets: they are generated again)."""
+    over the trained rollouts), rl/dropped_stale (rollout batches dropped for lagging more
+    than K, which only a resume with a smaller K meets: they are generated again) and
+    rl/stale_logprob_diff_* (the log-prob gap of stale rollouts to the proximal policy)."""
 
     max_sampling_rounds: int = bounded(3, ge=1)
     """Most rounds of rl.dynamic_sampling per step. When they find fewer groups with signal than
@@ -627,10 +630,14 @@ class Generation:
     stop_tokens: list[str] = field(default_factory=lambda: ["<|im_end|>", "<|endoftext|>"])
     """Special tokens that end a completion (kept in it, and in the loss)."""
 
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the generator's replica of the policy, on CPU as on CUDA. bfloat16 samples with
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the generator's replica of the policy, and of the weights sent to rollout ranks.
+    auto: the trainer's compute dtype, training.mixed_precision_param on CUDA (bfloat16 by
+    default), float32 on the CPU. bfloat16 on the CPU samples with
     other numerics than the float32 trainer: the sampler/trainer mismatch that
-    rl.rollout_correction corrects (rl/sampler_logprob_diff_*, rl/rollout_corr/kl_*)."""
+    rl.rollout_correction corrects (rl/sampler_logprob_diff_*: trainer vs sampler log-probs of
+    the same weights; rl/rollout_corr/kl_*, which with rl.max_staleness also holds the staleness
+    that rl/stale_logprob_diff_* shows)."""
 
     seed: int = 0
     """Seed of the rollouts: each completion's randomness depends only on (seed, step, prompt,
@@ -737,20 +744,34 @@ class Debug:
     """Random seed for model init and data order."""
 
     deterministic: bool = False
-    """Use deterministic kernels (slower)."""
+    """Use deterministic kernels (slower). On CUDA the loss's per-sequence sums and an MoE
+    layer's combine (float index_add_) and indexing backwards otherwise add in a varying
+    order, so reruns and resumes match bit for bit only with this on; on the CPU they always
+    do."""
 
 
 @dataclass
 class Comm:
-    """Process-group setup."""
+    """Process groups and how long a rank waits for the others."""
 
-    init_timeout_seconds: int = bounded(300, gt=0)
-    """Timeout for process-group initialization and collectives."""
+    collective_timeout_seconds: int = bounded(300, gt=0)
+    """The timeout of every collective of the launch's process groups (on NCCL, the watchdog's):
+    the start-up, the training step's collectives, a checkpoint's barriers, the rollout ranks'
+    split of a step. A rank may wait in one while a peer works alone (rank 0 writing a file of
+    a Hugging Face export between two gathers), so it must cover the longest such stretch. With
+    parallelism.rollout_ranks it also bounds one transfer of a message or of the weights, once
+    both sides are at it."""
 
-    rollout_timeout_seconds: int = bounded(600, gt=0)
-    """With parallelism.rollout_ranks: how long a trainer waits for a step's rollouts, and a
-    rollout rank for the trainers' next message, before the run stops with an error naming the
-    silent side (a rank that died stops the launch at once through torchrun)."""
+    silent_peer_timeout_seconds: int = bounded(120, gt=0)
+    """With parallelism.rollout_ranks: how long a rank may send no heartbeat before a rank that
+    waits in the rollout-rank protocol stops the run with an error naming it (stopped, hung or on
+    a lost host; a rank that exits stops the launch at once through torchrun). Every rank beats
+    every tenth of this (5 s at most) through the launch's key-value store, so a wait on a peer
+    that is alive has no bound: the trainers' SFT warm-up, checkpoint load and saves,
+    evaluation and final export, and the rollout ranks' generation ahead take what they take.
+    Below comm.collective_timeout_seconds, so that the silent rank is named before a collective
+    it stalls ends the run with the backend's message. A process that holds Python's GIL
+    for longer without a break looks silent too."""
 
 
 @dataclass
@@ -776,6 +797,14 @@ class JobConfig:
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)
 
+    # Keys of earlier versions: naming one stops the parse with its successor's name.
+    renamed_keys: ClassVar[dict[str, str]] = {
+        "comm.init_timeout_seconds": "comm.collective_timeout_seconds",
+        "comm.rollout_timeout_seconds": "comm.silent_peer_timeout_seconds",
+    }
+
     def validate(self) -> None:
-        """The rules that span keys (``config/validation.py``); ``ConfigManager`` runs them after parsing."""
+        """The rules that span keys (``config/validation.py``); ``ConfigManager`` runs them after
+        parsing. Those that need a part's facts (model, loss, task) run in
+        ``recipes/config_checks.py``."""
         validate_job_config(self)

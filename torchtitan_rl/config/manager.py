@@ -3,7 +3,8 @@
 
 Generic: it knows the shape of a config (sections of typed fields, ranges from ``bounded``),
 not the project's rules; those that span keys are the config's ``validate`` method
-(``JobConfig``'s are in ``config/validation.py``). Fails closed: an unknown key, a value of the
+(``JobConfig``'s are in ``config/validation.py``; ``recipes/config_checks.py`` adds the rules
+that need the model's, the loss's or the task's facts). Fails closed: an unknown key, a value of the
 wrong type or out of range is a ``ValueError`` naming the dotted key, never a silently ignored
 setting.
 """
@@ -50,7 +51,9 @@ class _Field:
 class ConfigManager:
     """Parses command lines into ``config_cls``: a dataclass whose fields are section
     dataclasses whose fields are scalars, ``Literal``, ``Optional`` or ``list`` of scalars.
-    A ``validate()`` method of ``config_cls``, if any, runs on every parsed config."""
+    A ``validate()`` method of ``config_cls``, if any, runs on every parsed config; its
+    ``renamed_keys`` (old dotted key -> new one), if any, turn an old key into an error naming
+    the new one."""
 
     def __init__(self, config_cls: type = JobConfig):
         self.config_cls = config_cls
@@ -111,6 +114,9 @@ class ConfigManager:
     def _lookup(self, key: str) -> _Field:
         if key in self.fields:
             return self.fields[key]
+        renamed = getattr(self.config_cls, "renamed_keys", {})
+        if key in renamed:
+            raise ValueError(f"config key '{key}' is now '{renamed[key]}' (see --help for what it covers)")
         section, dot, _ = key.partition(".")
         if not dot:
             problem = f"config key '{key}' must be written as section.key"

@@ -1,10 +1,12 @@
-"""The project's rules on a ``JobConfig`` beyond each key's type and range: keys that depend on
-each other, on the recipe, on the model's architecture or on an HF ``config.json``.
+"""The project's rules on a ``JobConfig`` beyond each key's type and range that need nothing but
+the config's values: keys that depend on each other and on the recipe.
 
-``JobConfig.validate`` runs ``validate_job_config`` after every parse. The checks that need the
-world size live with the mesh (``distributed/parallel_dims.py``); those that need the
-architecture of ``model.flavor = "hf"`` run once its config.json is read
-(``check_model_settings``). Every error is a ``ValueError`` naming the key (and the file).
+``JobConfig.validate`` runs ``validate_job_config`` after every parse. This layer imports no
+other part of the package: the rules that need a part's facts are stated by that part and run
+by ``recipes/config_checks.py`` right after parsing (the loss's options, the task's keys, the
+model's flavors and architecture; for ``model.flavor = "hf"`` once its config.json is read).
+The checks that need the world size live with the mesh (``distributed/parallel_dims.py``).
+Every error is a ``ValueError`` naming the key (and the file).
 
 The section classes are not imported here (``job_config`` imports this module): a section's
 defaults are ``type(section)()``.
@@ -14,8 +16,6 @@ import dataclasses
 
 # model.flavor value that takes the architecture from a Hugging Face config.json.
 HF_FLAVOR = "hf"
-# Losses whose gradient estimate weighs tokens by r = p_theta / p_sampler.
-RATIO_LOSS_FNS = ("importance_sampling", "ppo", "cispo", "gspo")
 # SFT data keys that the GRPO recipe does not read (it samples from [rl] task).
 _SFT_DATA_KEYS = (
     "dataset",
@@ -24,11 +24,6 @@ _SFT_DATA_KEYS = (
     "dataset_cache_dir",
     "dataset_cache_timeout_seconds",
     "dataset_prefetch",
-)
-# Keys that only a model with a vision tower reads.
-_VISION_KEYS = (
-    ("model", ("freeze_vision", "image_token", "image_break_token", "image_end_token")),
-    ("training", ("max_patches_per_microbatch", "max_image_tokens")),
 )
 
 
@@ -55,24 +50,8 @@ def validate_job_config(cfg) -> None:
     _check_lora(cfg)
     _check_compile(cfg)
     _check_recipe(cfg)
-    # Imported here: torch and the model package are heavy and not needed to parse a command line.
-    from torchtitan_rl.losses.loss_fns import loss_fn_from_config
-    from torchtitan_rl.models.registry import get_model_spec
-
-    loss_fn_from_config(cfg.loss)
-
-    spec = get_model_spec(cfg.model.name)
     if cfg.model.flavor == HF_FLAVOR:
         _check_hf_flavor(cfg)
-        # The architecture is only known once config.json is read: the recipe calls
-        # check_model_settings with it.
-        return
-    if cfg.model.flavor not in spec.flavors:
-        raise ValueError(
-            f"model.flavor: unknown flavor {cfg.model.flavor!r} for model.name "
-            f"{cfg.model.name!r}; choose one of {', '.join(map(repr, [*spec.flavors, HF_FLAVOR]))}"
-        )
-    check_model_settings(cfg, spec.flavors[cfg.model.flavor])
 
 
 def hf_config_dir(cfg) -> str:
@@ -86,66 +65,6 @@ def _check_hf_flavor(cfg) -> None:
         raise ValueError(
             "model.flavor: 'hf' takes the architecture from the config.json of checkpoint.initial_load_path "
             "(with checkpoint.initial_load_in_hf = true) or of model.hf_assets_path; set one of them"
-        )
-
-
-def check_model_settings(cfg, model_args) -> None:
-    """The checks that depend on the model's architecture (vision keys, MoE keys). Errors about
-    args read from a config.json (``model_args.source``) name that file and its fields."""
-    from torchtitan_rl.models.registry import spec_for_args
-
-    source = model_args.source
-    if spec_for_args(model_args).takes_images:
-        _check_vision_model(cfg, model_args.spatial_merge_size, source)
-    else:
-        _check_no_vision_keys(cfg)
-    _check_moe(cfg, model_args, source)
-
-
-def _check_moe(cfg, model_args, source: str) -> None:
-    is_moe = model_args.is_moe
-    ep = cfg.parallelism.expert_parallel_degree
-    if ep > 1 and not is_moe:
-        model = f"{source} describes a dense model" if source else f"model.flavor={cfg.model.flavor!r} is dense"
-        raise ValueError(f"parallelism.expert_parallel_degree={ep}: {model}; expert parallel needs a MoE model")
-    if ep > 1 and model_args.num_experts % ep != 0:
-        where = f" of {source}" if source else f" of model.flavor={cfg.model.flavor!r}"
-        raise ValueError(
-            f"parallelism.expert_parallel_degree={ep} does not divide num_experts={model_args.num_experts}{where}"
-        )
-    unused = _non_default(cfg.moe)
-    if unused and not is_moe:
-        model = (
-            f"{source} describes a dense model (num_experts is 0 or absent)"
-            if source
-            else f"model.flavor={cfg.model.flavor!r} has no experts (a dense model)"
-        )
-        raise ValueError(f"moe.{unused[0]}: {model}; choose a MoE flavor such as 'debugmodel_moe' or remove the key")
-
-
-def _check_no_vision_keys(cfg) -> None:
-    for section, keys in _VISION_KEYS:
-        values, defaults = getattr(cfg, section), type(getattr(cfg, section))()
-        unused = [key for key in keys if getattr(values, key) != getattr(defaults, key)]
-        if unused:
-            raise ValueError(f"{section}.{unused[0]}: only used by a vision-language model (model.name = 'vlm')")
-
-
-def _check_vision_model(cfg, merge_size: int, source: str) -> None:
-    tokens = [cfg.model.image_token, cfg.model.image_break_token, cfg.model.image_end_token]
-    if len(set(tokens)) != 3 or not all(tokens):
-        raise ValueError(
-            f"model.image_token / image_break_token / image_end_token: must be three different non-empty strings, "
-            f"got {tokens}"
-        )
-    t = cfg.training
-    largest_image = t.max_image_tokens * merge_size * merge_size
-    if 0 < t.max_patches_per_microbatch < largest_image:
-        origin = f", spatial_merge_size of {source}" if source else ""
-        raise ValueError(
-            f"training.max_patches_per_microbatch: must be 0 or >= {largest_image} so any image fits "
-            f"(training.max_image_tokens={t.max_image_tokens} feature tokens of {merge_size}x{merge_size} "
-            f"patches{origin}), got {t.max_patches_per_microbatch}"
         )
 
 
@@ -168,7 +87,7 @@ def _check_profiling(cfg) -> None:
         seen.add(step)
 
 
-def _non_default(section) -> list[str]:
+def non_default_keys(section) -> list[str]:
     """Names of the keys of ``section`` that differ from their defaults."""
     defaults = type(section)()
     return [f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(defaults, f.name)]
@@ -178,7 +97,7 @@ def _check_recipe(cfg) -> None:
     """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
     if cfg.job.recipe == "sft":
         for name in ("rl", "generation"):
-            unused = _non_default(getattr(cfg, name))
+            unused = non_default_keys(getattr(cfg, name))
             if unused:
                 raise ValueError(f"{name}.{unused[0]}: only used with job.recipe = 'grpo'")
         if cfg.parallelism.rollout_ranks:
@@ -192,11 +111,6 @@ def _check_recipe(cfg) -> None:
             "(rl.prompts_per_step per step)"
         )
     loss, rl, generation = cfg.loss, cfg.rl, cfg.generation
-    if loss.loss_fn not in RATIO_LOSS_FNS:
-        raise ValueError(
-            f"loss.loss_fn: job.recipe = 'grpo' trains on advantages; choose one of {', '.join(RATIO_LOSS_FNS)}, "
-            f"not {loss.loss_fn!r}"
-        )
     if generation.top_p < 1 or generation.top_k > 0:
         key = "top_p" if generation.top_p < 1 else "top_k"
         raise ValueError(
@@ -231,28 +145,21 @@ def _check_recipe(cfg) -> None:
             f"rl.max_staleness={rl.max_staleness}: generating ahead of the trainers needs ranks of its own; set "
             "parallelism.rollout_ranks >= 1 (the colocated run is synchronous)"
         )
+    comm = cfg.comm
+    if cfg.parallelism.rollout_ranks and comm.silent_peer_timeout_seconds >= comm.collective_timeout_seconds:
+        raise ValueError(
+            f"comm.silent_peer_timeout_seconds={comm.silent_peer_timeout_seconds}: must be below "
+            f"comm.collective_timeout_seconds={comm.collective_timeout_seconds}, so that a rank that stops is named "
+            "before a collective it stalls times out with the backend's message; lower it or raise the other"
+        )
     _check_rollout_correction(rl)
     _check_dapo(rl, generation)
 
 
 def _check_task(cfg) -> None:
-    """Which task keys go with which task, and what evaluation and the warm-up need."""
-    from torchtitan_rl.rl.plugins import is_import_path
-    from torchtitan_rl.rl.tasks import check_task_name
-
+    """What evaluation, a reward function and the warm-up need (which keys go with which task is
+    the tasks' rule: ``rl.tasks.check_task_settings``)."""
     rl = cfg.rl
-    check_task_name(rl.task)
-    is_factory = is_import_path(rl.task)
-    if rl.task == "dataset" and not rl.task_path:
-        raise ValueError(
-            "rl.task_path: set it to the .jsonl, .json or .parquet file (or directory) of rl.task = 'dataset'"
-        )
-    if rl.task_path and rl.task != "dataset" and not is_factory:
-        raise ValueError(
-            f"rl.task_path: only used with rl.task = 'dataset' or a task factory, but rl.task = {rl.task!r}"
-        )
-    if rl.eval_task_path and rl.task != "dataset":
-        raise ValueError(f"rl.eval_task_path: only used with rl.task = 'dataset', but rl.task = {rl.task!r}")
     if rl.eval_task_path and not rl.eval_interval:
         raise ValueError("rl.eval_task_path: only used with evaluation; set rl.eval_interval > 0")
     if rl.eval_interval and not rl.num_eval_prompts and not rl.eval_task_path:
@@ -267,8 +174,6 @@ def _check_task(cfg) -> None:
         for key in ("partial_credit", "format_reward", "answer_match"):
             if getattr(rl, key) != getattr(defaults, key):
                 raise ValueError(f"rl.{key}: sets the task's verifier, which rl.reward_fn = {rl.reward_fn!r} replaces")
-    elif rl.answer_match != "exact" and rl.task != "dataset":
-        raise ValueError(f"rl.answer_match: only used with rl.task = 'dataset' ({rl.task!r} matches exactly)")
     if rl.sft_warmup_only:
         if not rl.sft_warmup_steps:
             raise ValueError("rl.sft_warmup_only: set rl.sft_warmup_steps >= 1 (the warm-up is all this run does)")
@@ -287,8 +192,11 @@ def _check_rollout_correction(rl) -> None:
             if getattr(rl, key) != getattr(defaults, key):
                 raise ValueError(f"rl.{key}: only used with rl.rollout_correction other than 'none'")
         return
-    if rl.rollout_correction == "geo_mask" and rl.rollout_correction_level != defaults.rollout_correction_level:
-        raise ValueError("rl.rollout_correction_level: geo_mask always works per sequence")
+    if rl.rollout_correction == "geo_mask" and rl.rollout_correction_level != "sequence":
+        raise ValueError(
+            f"rl.rollout_correction_level = {rl.rollout_correction_level!r}: geo_mask keeps or masks whole "
+            "sequences by their geometric mean ratio; set rl.rollout_correction_level = 'sequence'"
+        )
     if not rl.rollout_correction_min < rl.rollout_correction_max:
         raise ValueError(
             f"rl.rollout_correction_min={rl.rollout_correction_min} must be below "
@@ -323,7 +231,7 @@ def _check_compile(cfg) -> None:
 def _check_lora(cfg) -> None:
     lora = cfg.lora
     if not lora.enable:
-        unused = [name for name in _non_default(lora) if name != "enable"]
+        unused = [name for name in non_default_keys(lora) if name != "enable"]
         if unused:
             # Fail closed: adapter settings on a run that trains the full model are a forgotten lora.enable.
             raise ValueError(f"lora.{unused[0]}: only used with lora.enable = true")

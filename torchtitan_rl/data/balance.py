@@ -19,18 +19,47 @@ per-micro-batch means, which depend on the packing on purpose.
 """
 
 import math
+from dataclasses import dataclass
 
-# cost = tokens + tokens^2 / COST_QUADRATIC_TOKENS + COST_PER_PATCH * patches, in units of one
-# text token through the linear layers (forward + backward alike, so only ratios matter).
-# - Attention adds ~4*d_attn FLOPs per (query, key) pair and causal sequences have t^2/2 pairs,
-#   against ~2*N_layer_params per token for the linear layers: for Qwen3-0.6B (d_attn 2048,
-#   ~15.7M linear params per layer) the quadratic term equals the linear one near 7.7k tokens;
-#   for 8B models near 47k. 8192 fits small models, which is where batches are most skewed.
-# - A vision patch goes through the vision transformer (Pixtral's ~0.4B parameters) once, and
-#   its merged feature is also a text token (counted in `tokens`); next to a ~1B language
-#   model a patch costs about half a text token.
-COST_QUADRATIC_TOKENS = 8192.0
-COST_PER_PATCH = 0.5
+
+@dataclass(frozen=True)
+class CostModel:
+    """A sample's estimated compute, ``tokens + tokens**2 / quadratic_tokens + per_patch *
+    patches``, in units of one text token through the model's linear layers (the backward pass
+    scales every term alike, so only ratios matter).
+
+    A causal sequence of t tokens has about t**2 / 2 (query, key) pairs, so the quadratic
+    term equals the linear one at ``quadratic_tokens`` = 2 x (linear FLOPs per token) /
+    (attention FLOPs per pair): where attention's share grows with the model's attention width
+    against its linear widths. A vision patch goes through the vision encoder once (and its
+    merged feature is also a text token, counted in ``tokens``); attention among an image's
+    own patches is left out, as a sample's patch count does not say how they split into images.
+    """
+
+    quadratic_tokens: float
+    per_patch: float = 0.0
+
+    @classmethod
+    def from_flops(
+        cls, linear_flops_per_token: float, attention_flops_per_pair: float, flops_per_patch: float = 0.0
+    ) -> "CostModel":
+        """The cost model of a model whose forward pass takes these FLOPs per token through
+        its linear layers, per (query, key) pair through attention (all layers), and per vision
+        patch (0: a text model)."""
+        if min(linear_flops_per_token, attention_flops_per_pair) <= 0 or flops_per_patch < 0:
+            raise ValueError(
+                f"FLOPs must be positive (per patch: >= 0), got {linear_flops_per_token} per token, "
+                f"{attention_flops_per_pair} per pair, {flops_per_patch} per patch"
+            )
+        return cls(2 * linear_flops_per_token / attention_flops_per_pair, flops_per_patch / linear_flops_per_token)
+
+    def sample_cost(self, num_tokens: int, num_patches: int = 0) -> float:
+        return num_tokens + num_tokens * num_tokens / self.quadratic_tokens + self.per_patch * num_patches
+
+
+# For callers without a model (tests, tools): about Qwen3-0.6B's attention share (its layers
+# alone, without the output head) and a Pixtral-sized encoder next to a ~1B language model.
+DEFAULT_COST_MODEL = CostModel(quadratic_tokens=8192.0, per_patch=0.5)
 
 _BUDGET_KEYS = (
     ("tokens", "training.max_tokens_per_microbatch"),
@@ -38,9 +67,9 @@ _BUDGET_KEYS = (
 )
 
 
-def sample_cost(num_tokens: int, num_patches: int = 0) -> float:
+def sample_cost(num_tokens: int, num_patches: int = 0, cost_model: CostModel = DEFAULT_COST_MODEL) -> float:
     """Estimated compute of one sample of ``num_tokens`` input tokens and ``num_patches`` vision patches."""
-    return num_tokens + num_tokens * num_tokens / COST_QUADRATIC_TOKENS + COST_PER_PATCH * num_patches
+    return cost_model.sample_cost(num_tokens, num_patches)
 
 
 def contiguous_split(num_samples: int, num_ranks: int) -> list[list[int]]:
@@ -64,12 +93,19 @@ def imbalance(costs: list[float], assignment: list[list[int]]) -> float:
 class _Sizes:
     """Samples' (tokens, patches) sizes, costs and a micro-batch's budgets (0: none)."""
 
-    def __init__(self, seq_lens: list[int], num_patches: list[int] | None, max_tokens: int, max_patches: int):
+    def __init__(
+        self,
+        seq_lens: list[int],
+        num_patches: list[int] | None,
+        max_tokens: int,
+        max_patches: int,
+        cost_model: CostModel = DEFAULT_COST_MODEL,
+    ):
         num_patches = num_patches or [0] * len(seq_lens)
         if len(num_patches) != len(seq_lens) or any(n < 0 for n in (*seq_lens, *num_patches)):
             raise ValueError(f"sample sizes must be >= 0, one per sample: {seq_lens}, {num_patches}")
         self.sizes = list(zip(seq_lens, num_patches))
-        self.costs = [sample_cost(t, p) for t, p in self.sizes]
+        self.costs = [cost_model.sample_cost(t, p) for t, p in self.sizes]
         self.budgets = (max_tokens, max_patches)
 
     def fits(self, load: tuple[int, int], i: int) -> bool:
@@ -152,6 +188,7 @@ def plan_microbatches(
     num_patches: list[int] | None = None,
     max_patches: int = 0,
     balanced: bool = False,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> list[list[int]]:
     """Group sample indices into micro-batches of at most ``max_tokens`` tokens and at most
     ``max_patches`` vision patches (of the samples' images, ``num_patches``).
@@ -161,9 +198,9 @@ def plan_microbatches(
     them so that their estimated costs are close, costliest micro-batch first (indices
     ascending within one). A budget of 0 means none: with both 0 everything goes into one
     micro-batch. A sample is never split, so one over a budget is an error. Either way the plan
-    is a pure function of the sizes.
+    is a pure function of the sizes (and ``cost_model``, the model's).
     """
-    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
+    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches, cost_model)
     sizes.check()
     return sizes.balanced(list(range(len(seq_lens)))) if balanced else sizes.in_order()
 
@@ -175,10 +212,11 @@ def estimated_step_cost(
     num_patches: list[int] | None = None,
     max_tokens: int = 0,
     max_patches: int = 0,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> float:
     """Σ over micro-batch positions of the costliest rank's micro-batch there, every rank's
     samples planned ``balanced``: the ranks wait for each other at every micro-batch."""
-    return _Sizes(seq_lens, num_patches, max_tokens, max_patches).step_cost(assignment)
+    return _Sizes(seq_lens, num_patches, max_tokens, max_patches, cost_model).step_cost(assignment)
 
 
 def assign_to_ranks(
@@ -189,6 +227,7 @@ def assign_to_ranks(
     max_tokens: int = 0,
     max_patches: int = 0,
     fallback: list[list[int]] | None = None,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> list[list[int]]:
     """Per rank, the sample indices it gets, ascending; every index exactly once.
 
@@ -208,7 +247,7 @@ def assign_to_ranks(
     fallback = fallback if fallback is not None else contiguous_split(len(seq_lens), num_ranks)
     if num_ranks == 1:
         return fallback
-    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches)
+    sizes = _Sizes(seq_lens, num_patches, max_tokens, max_patches, cost_model)
     bins = sizes.balanced(list(range(len(seq_lens))), multiple_of=num_ranks)
     assignment: list[list[int]] = [[] for _ in range(num_ranks)]
     loads = [0.0] * num_ranks

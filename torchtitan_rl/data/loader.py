@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan_rl.data.balance import assign_to_ranks, contiguous_split, imbalance, sample_cost
+from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, assign_to_ranks, contiguous_split, imbalance
 from torchtitan_rl.data.rows import row_base_dir, row_where
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import Tokenizer
@@ -95,7 +95,8 @@ class SFTDataLoader(IterableDataset):
     the samples ``data.balance.assign_to_ranks`` gives it by estimated compute (ranks may
     then get different numbers of samples, each at least one, in global order), sized for
     micro-batches of ``max_tokens_per_microbatch`` tokens (and the vision patch budget)
-    packed ``balanced`` as ``EngineOptions.balance_microbatches`` does.
+    packed ``balanced`` as ``EngineOptions.balance_microbatches`` does, by the model's
+    ``cost_model`` (``EngineOptions.cost_model``).
 
     ``vision`` (None for text models) sets how images are sized and normalized; a row with
     images and no ``vision`` is an error. Under the truncate policy a too-long sample is cut
@@ -128,6 +129,7 @@ class SFTDataLoader(IterableDataset):
         prefetch: bool = False,
         prepare: Callable[[list[Sample]], Any] | None = None,
         max_tokens_per_microbatch: int = 0,
+        cost_model: CostModel = DEFAULT_COST_MODEL,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -156,6 +158,7 @@ class SFTDataLoader(IterableDataset):
         self.vision = vision
         self.balance_dp_compute = balance_dp_compute
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.cost_model = cost_model
         self._planner = RowPlanner(tokenizer, vision)
         self._counter_names = _COUNTERS + (_VISION_COUNTERS if vision is not None else ())
         self._balance_stats: dict[str, float] = {}
@@ -269,7 +272,7 @@ class SFTDataLoader(IterableDataset):
     def _assign(self, global_batch: list[PlannedSample]) -> list[list[int]]:
         """Per DP rank, the global-batch indices it trains; records both splits' imbalance."""
         seq_lens, num_patches = [len(p.tokens) - 1 for p in global_batch], [p.num_patches for p in global_batch]
-        costs = [sample_cost(n, p) for n, p in zip(seq_lens, num_patches)]
+        costs = [self.cost_model.sample_cost(n, p) for n, p in zip(seq_lens, num_patches)]
         contiguous = contiguous_split(len(global_batch), self.batch_degree)
         balanced = assign_to_ranks(
             seq_lens,
@@ -277,6 +280,7 @@ class SFTDataLoader(IterableDataset):
             num_patches=num_patches,
             max_tokens=self.max_tokens_per_microbatch,
             max_patches=self.vision.max_patches_per_microbatch if self.vision is not None else 0,
+            cost_model=self.cost_model,
         )
         chosen = balanced if self.balance_dp_compute else contiguous
         self._balance_stats = {
@@ -346,6 +350,7 @@ def build_sft_dataloader(
     prefetch: bool = False,
     prepare: Callable[[list[Sample]], Any] | None = None,
     max_tokens_per_microbatch: int = 0,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> StatefulDataLoader:
     """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
     ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
@@ -363,6 +368,7 @@ def build_sft_dataloader(
         prefetch=prefetch,
         prepare=prepare,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
+        cost_model=cost_model,
     )
     with warnings.catch_warnings():
         # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does

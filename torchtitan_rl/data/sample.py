@@ -60,6 +60,9 @@ class Sample:
     rollout_weights: torch.Tensor | None = None  # [n] float
     ref_logprobs: torch.Tensor | None = None  # [n] float
     group_id: int | None = None
+    # RL: the version of the weights that sampled the completion (the RL step they are from),
+    # which tells the sampler/trainer mismatch apart from staleness (``rl/*_logprob_diff_*``).
+    sampler_version: int | None = None
     # Vision-language samples: the sample's images in order, and per input token the row of
     # the sample's vision features (its images' merged patches, concatenated in order) that
     # replaces the token's embedding, or -1. Image placeholder tokens are never loss tokens.

@@ -208,3 +208,9 @@ class ParallelDims:
         """This rank's index among the ranks that load different samples."""
         batch = self.mesh("batch")
         return 0 if batch is None else batch.get_local_rank()
+
+    def batch_rank_of(self, rank: int) -> int:
+        """``batch_rank()`` of training rank ``rank``, known on every rank of the launch: the world
+        mesh holds the training ranks in (dp_replicate, dp_shard, cp, tp) order, so the CP x TP
+        ranks of a batch rank are consecutive."""
+        return rank // (self.cp * self.tp)

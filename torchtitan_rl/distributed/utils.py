@@ -1,9 +1,13 @@
 """Process-group start-up and teardown, and the few collectives the training step needs."""
 
+import contextlib
 import datetime
 import gc
 import logging
 import os
+import pickle
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -13,8 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]:
+def init_distributed(collective_timeout_seconds: int) -> tuple[int, int, torch.device]:
     """Join the torchrun job (or run alone); returns (rank, world_size, device).
+    ``collective_timeout_seconds`` is the default group's timeout, and so of every group built
+    without one of its own: of the start-up and of every collective on them.
 
     On CUDA the default group carries both backends: NCCL for tensors on the GPU and gloo
     for the few host-side integers of the micro-batch plan, so agreeing on a plan never
@@ -30,7 +36,7 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
         backend = "gloo"
     if "WORLD_SIZE" not in os.environ:
         return 0, 1, device
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=init_timeout_seconds))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=collective_timeout_seconds))
     if backend == "gloo":
         # Gloo connects each pair of ranks during init; a rank that is done with its side may
         # fail a config check and exit while a peer still connects to it, which the peer then
@@ -111,3 +117,71 @@ def host_max(values: list[int], mesh: DeviceMesh | None) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return t.tolist()
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank failed where this one did not (``failures_shared``): the message names that
+    rank and its error; its traceback is on that rank's stderr."""
+
+    def __init__(self, rank: int, error: str):
+        super().__init__(f"rank {rank} failed: {error}")
+        self.rank, self.error = rank, error
+
+
+@contextlib.contextmanager
+def failures_shared(group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Run the block, then agree over ``group`` whether it failed on any rank: a rank whose
+    block raised re-raises its own exception (traceback kept), every other rank raises a
+    ``PeerFailedError`` naming a rank that failed and its error. So a failure on one rank
+    (a user's environment or reward) ends the work of all of them here, not in their next
+    collective at its timeout. The block must not wait on peers of ``group`` itself. One
+    all-reduce of an integer when nothing failed; ``group`` None: this rank alone."""
+    if group is None:
+        yield
+        return
+    try:
+        yield
+    except Exception as err:
+        _agree_on_failure(group, f"{type(err).__name__}: {err}")
+        raise
+    _agree_on_failure(group, None)
+
+
+def _agree_on_failure(group: dist.ProcessGroup, error: str | None) -> None:
+    num_failed = torch.tensor([error is not None], dtype=torch.int64)
+    dist.all_reduce(num_failed, group=group)
+    if num_failed.item() == 0:
+        return
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    if error is None:
+        failed = [(dist.get_global_rank(group, i), e) for i, e in enumerate(errors) if e is not None]
+        others = f" ({len(failed) - 1} more ranks failed too)" if len(failed) > 1 else ""
+        raise PeerFailedError(failed[0][0], failed[0][1] + others)
+
+
+def all_to_all_objects(outgoing: list[Any], mesh: DeviceMesh) -> list[Any]:
+    """Rank r of ``mesh`` gets ``outgoing[r]`` of every rank, all at once: returns, per rank of
+    ``mesh``, what it addressed to this one (this rank's own entry as it is). A None entry sends
+    no bytes and arrives as None. Unlike an object all-gather, each object travels to its
+    destination only. Two host collectives (the sizes, then the pickled bytes), on gloo also
+    when the mesh is on CUDA."""
+    group, rank = mesh.get_group(), mesh.get_local_rank()
+    payloads = [b"" if obj is None or r == rank else pickle.dumps(obj) for r, obj in enumerate(outgoing)]
+    sent_sizes = [len(payload) for payload in payloads]
+    received_sizes = torch.empty(len(payloads), dtype=torch.int64)
+    dist.all_to_all_single(received_sizes, torch.tensor(sent_sizes, dtype=torch.int64), group=group)
+    sizes = received_sizes.tolist()
+    joined = b"".join(payloads)
+    sent = torch.frombuffer(bytearray(joined), dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    received = torch.empty(sum(sizes), dtype=torch.uint8)
+    dist.all_to_all_single(received, sent, sizes, sent_sizes, group=group)
+    buffer = memoryview(received.numpy())
+    out, start = [], 0
+    for source, size in enumerate(sizes):
+        if source == rank:
+            out.append(outgoing[rank])
+        else:
+            out.append(pickle.loads(buffer[start : start + size]) if size else None)
+        start += size
+    return out

@@ -8,9 +8,8 @@ entropies ``H``) into
 
 and the engine sums ``w_t · ℓ_t`` with the reduction weights of ``losses.reduction``
 (``weighted_loss``). The policy term, the KL penalty and the entropy bonus all go through the
-same ``w_t``: each is normalized exactly like the others, for any parallel layout. (SkyRL
-scales only the advantages, which leaves its KL a per-micro-batch sequence mean and its
-entropy a per-micro-batch token mean.)
+same ``w_t``: each is normalized exactly like the others, for any parallel layout (scaling
+only the advantages would leave the KL and entropy terms normalized per micro-batch).
 
 Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_old)`` and
 ``clip(r) = clamp(r, 1 − clip_low, 1 + clip_high)``:
@@ -36,7 +35,7 @@ carries ``s_i`` in value and the gradient of its own log-prob (straight-through)
 the clip zeroes the gradient of a whole sequence.
 
 KL estimators, with ``Δ = logp_θ − logp_ref``: ``k1`` = Δ, ``k2`` = Δ²/2, ``k3`` =
-exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (the default; verl's and SkyRL's ``k3``).
+exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (the default: the clamped ``k3``).
 """
 
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.data.packing import MicroBatch
 from torchtitan_rl.distributed.utils import all_reduce
+from torchtitan_rl.losses.router import RouterMetrics
 
 # log(p_θ / q) is clamped to ±20 before exp (e^20 ≈ 5e8): a stale or mismatched sampler
 # log-prob cannot overflow a ratio, and the clamp sits far outside any clip range.
@@ -100,7 +100,7 @@ def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch, 
         ("ratio_max", "max", ratio),
         ("logprob_diff_mean", "mean", mismatch),
         ("logprob_diff_max", "max", mismatch),
-        # verl's actor/ppo_kl: k1 of the ratio's old policy from the current one.
+        # k1 of the ratio's old policy from the current one: how far the update has moved.
         ("ppo_kl", "mean", old_logprobs(mb, options) - logprobs.detach()),
         ("advantage_mean", "mean", mb.advantages),
     ]
@@ -174,6 +174,8 @@ LOSS_FNS: dict[str, LossFnSpec] = {
     "cispo": LossFnSpec(_cispo, _POLICY, dict(_CLIP_OPTIONS)),
     "gspo": LossFnSpec(_gspo, _POLICY, dict(GSPO_CLIP_OPTIONS), sequence_log_ratio=True),
 }
+# The policy-gradient losses: they weigh each token's advantage by its ratio r = p_theta / p_old.
+ADVANTAGE_LOSS_FNS = tuple(name for name, spec in LOSS_FNS.items() if "advantages" in spec.inputs)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -399,6 +401,17 @@ class LossMetrics:
                 value = torch.where(num_loss_tokens > 0, value, 0)  # no loss token anywhere: 0, not inf
                 out[f"rl/{name}"] = -value if name in self.negated else value
         return out
+
+
+@dataclass
+class ForwardBackwardMetrics:
+    """Device-resident results of one ``forward_backward`` (the engine's); reduced only when logged."""
+
+    loss: torch.Tensor  # this rank's Σ w·ℓ (sum over the `loss` mesh = mini-batch loss)
+    max_seq_loss: torch.Tensor  # largest per-sequence mean loss among this rank's sequences (-inf: none)
+    counts: torch.Tensor  # global counts, see losses.reduction
+    terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
+    router: RouterMetrics | None = None  # MoE models only
 
 
 _NUM_LOSS_TOKENS = "num_loss_tokens"

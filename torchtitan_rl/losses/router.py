@@ -1,11 +1,12 @@
 """Router auxiliary losses of mixture-of-experts layers, exact for any parallel layout
 (docs/design.md, 'Mixture of experts').
 
-The load-balancing loss of a group of tokens (Switch Transformer; HF Qwen3-MoE's ``aux_loss``)
+The load-balancing loss of a group of tokens (Switch Transformer; the ``aux_loss`` of a
+Hugging Face Qwen3-MoE export)
 is ``E · Σ_e f_e · P_e`` with ``f_e = c_e / (L·N)`` the share of top-k assignments and
 ``P_e = q_e / (L·N)`` the mean router probability of expert e, where ``c`` counts and ``q`` sums
 probabilities over the group's N real tokens and L MoE layers (``pooled``, HF), or the same
-per layer and summed over layers (``sum``, Megatron: ``E · Σ_l Σ_e (c_le/N)(q_le/N)``).
+per layer and summed over layers (``sum``: ``E · Σ_l Σ_e (c_le/N)(q_le/N)``).
 
 The counts carry no gradient, so with them fixed the loss is *linear* in the probability sums:
 each rank computes a partial loss from the group's complete counts (all-reduced, no autograd
@@ -23,7 +24,7 @@ Scopes (``aux_loss_scope``), i.e. what a group is:
   micro-batches of all DP ranks; depends on the layout on purpose, like ``token_mean_legacy``.
 
 The router z-loss is ``(1/N) Σ_t Σ_l logsumexp(logits_lt)²`` over the mini-batch's N real tokens:
-a per-token mean of the sum over layers (ST-MoE; each layer adds its own term, as Megatron).
+a per-token mean of the sum over layers (ST-MoE; each layer adds its own term).
 """
 
 from dataclasses import dataclass
@@ -56,6 +57,19 @@ class RouterLossConfig:
     @property
     def needs_global_counts(self) -> bool:
         return self.aux_loss_coef > 0 and self.aux_loss_scope == "global"
+
+
+@dataclass
+class RouterMetrics:
+    """A MoE model's router statistics of one ``forward_backward`` on this rank: partial
+    losses (unweighted; their sum over every rank is the mini-batch's loss) and the top-k
+    counts of this rank's tokens per MoE layer and expert (summed over every rank at log time)."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    counts: torch.Tensor  # [L, E]
+    layer_ids: tuple[int, ...]  # the model's MoE layers, in order
+    config: RouterLossConfig
 
 
 def balance_loss(

@@ -27,7 +27,7 @@ forward: ``state.for_layer(i)`` is the ``LayerAttention`` of layer i, a function
 ``(q, k, v) -> out``. An ``AttentionContext`` is the state of plain packed attention (the same
 context for every layer); ``cp_attention_context`` builds one whose keys are gathered over the
 context-parallel ranks; an inference engine's KV cache gives each layer its own cache slot
-(``rl/generator.py``).
+(``rl/kv_cache.py``).
 """
 
 from collections.abc import Callable

@@ -210,7 +210,8 @@ class MoE(nn.Module):
         probs, top_weights, top_experts = self.router.route(logits)
 
         # Dispatch: the T*k (token, expert) pairs sorted by expert; a stable sort keeps tokens
-        # in order within an expert, so the combine adds in a fixed order.
+        # in order within an expert, so the combine adds in a fixed order (on CUDA, whose
+        # index_add adds with atomics, only under debug.deterministic).
         flat_experts = top_experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         token_of_pair = order // self.top_k

@@ -18,7 +18,8 @@ from torch import nn
 
 from torchtitan_rl.checkpoint import CheckpointManager, TrainState
 from torchtitan_rl.config import JobConfig, write_resolved_config
-from torchtitan_rl.config.validation import HF_FLAVOR, check_model_settings, hf_config_dir
+from torchtitan_rl.config.validation import HF_FLAVOR, hf_config_dir
+from torchtitan_rl.data.balance import CostModel
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.data.tokenizer import Tokenizer, build_tokenizer, image_token_ids, image_token_strings
 from torchtitan_rl.data.vision_samples import VisionDataConfig
@@ -33,6 +34,7 @@ from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
+from torchtitan_rl.models.config_checks import check_model_settings
 from torchtitan_rl.models.lora import LoRASettings, add_adapters, init_adapter_, is_adapter_key
 from torchtitan_rl.models.qwen3.args import check_flavor, with_router_aux_loss
 from torchtitan_rl.models.qwen3.model import param_seed
@@ -258,6 +260,7 @@ def build_engine(
         max_norm=t.max_norm,
         loss_parallel=not job_config.parallelism.disable_loss_parallel,
         balance_microbatches=t.balance_dp_compute,
+        cost_model=balance_cost_model(model_args),
         temperature=temperature,
         vision=vision_packing(model_args),
         max_patches_per_microbatch=t.max_patches_per_microbatch,
@@ -272,6 +275,13 @@ def build_engine(
         options=options,
         autocast_dtype=autocast_dtype,
     ), model_args
+
+
+def balance_cost_model(model_args) -> CostModel:
+    """The estimated compute per sample that data-parallel balancing evens out, from the
+    model's forward FLOPs (its widths): per token, per attended pair, per vision patch."""
+    per_patch = model_args.linear_flops_per_patch() if spec_for_args(model_args).takes_images else 0.0
+    return CostModel.from_flops(model_args.linear_flops_per_token(), model_args.attention_flops_per_pair(), per_patch)
 
 
 def vision_packing(model_args) -> VisionPacking | None:
@@ -320,13 +330,22 @@ class RunContext:
     tokenizer: Tokenizer
 
 
+def use_deterministic_algorithms() -> None:
+    """PyTorch's deterministic kernels (``debug.deterministic``): on CUDA a float ``index_add_``
+    (per-sequence loss sums, an MoE layer's combine) or an indexing backward otherwise adds
+    with atomics in a varying order. cuBLAS refuses deterministic mode without a fixed
+    workspace configuration: set here unless the environment chose one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
 def start_run(job_config: JobConfig) -> RunContext:
     """Join the process group, check the layout, seed, and read the tokenizer."""
-    rank, world_size, device = init_distributed(job_config.comm.init_timeout_seconds)
+    rank, world_size, device = init_distributed(job_config.comm.collective_timeout_seconds)
     parallel_dims = build_parallel_dims(job_config, world_size)
     torch.manual_seed(job_config.debug.seed)
     if job_config.debug.deterministic:
-        torch.use_deterministic_algorithms(True)
+        use_deterministic_algorithms()
     tokenizer = build_tokenizer(job_config.model.hf_assets_path)
     return RunContext(job_config, rank, device, parallel_dims, tokenizer)
 

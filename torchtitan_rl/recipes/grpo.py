@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.distributed.utils import failures_shared
 from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config, resolve_loss_fn
 from torchtitan_rl.losses.reduction import NUM_TOKENS
@@ -41,9 +42,9 @@ from torchtitan_rl.recipes.base import (
     start_run,
 )
 from torchtitan_rl.recipes.grpo_data import (
-    GENERATION_DTYPES,
     build_generator,
     first_messages,
+    generation_dtype,
     read_task,
     sampling_params,
     warms_up,
@@ -52,23 +53,20 @@ from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
 from torchtitan_rl.rl.generator import full_tensor
+from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 from torchtitan_rl.rl.rollout_ranks import (
     RolloutClient,
     WeightSender,
-    build_rollout_topology,
     is_version_sent,
     staleness,
 )
+from torchtitan_rl.rl.rollout_topology import build_rollout_topology
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
     balance_over_data_parallel,
-    is_truncated,
-    is_zero_variance,
     rank_prompt_slots,
-    rollout_metrics,
-    rollout_sums,
     split_among_peers,
     to_samples,
 )
@@ -125,11 +123,24 @@ class GRPORecipe(Recipe):
         dims = self.parallel_dims
         self.rollout_client = None
         if dims.num_rollout_ranks:
+            comm = job_config.comm
             topology = build_rollout_topology(
-                dims.world_size, dims.num_rollout_ranks, self.device.type, job_config.comm.rollout_timeout_seconds
+                dims.world_size,
+                dims.num_rollout_ranks,
+                self.device.type,
+                comm.silent_peer_timeout_seconds,
+                comm.collective_timeout_seconds,
             )
-            sender = WeightSender(topology, GENERATION_DTYPES[generation.dtype], self.device)
-            self.rollout_client = RolloutClient(topology, sender, job_config.training.steps, rl.max_staleness)
+            sender = WeightSender(topology, generation_dtype(job_config, self.device), self.device)
+            slots = rank_prompt_slots(rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree)
+            self.rollout_client = RolloutClient(
+                topology,
+                sender,
+                job_config.training.steps,
+                rl.max_staleness,
+                [s for minibatch in slots for s in minibatch],
+                dims.mesh("batch"),
+            )
         # The trainers' own replica: every rollout when colocated, evaluation only otherwise.
         needs_replica = self.rollout_client is None or rl.eval_interval > 0
         self.generator = (
@@ -186,6 +197,15 @@ class GRPORecipe(Recipe):
                 self.metrics.write_scalars(self.train_state.step, {"comm/weight_sync_bytes": float(sent)})
         return resumed
 
+    def close(self) -> None:
+        """Finish the recipe's asynchronous work (``Recipe.close``), then stop this rank's
+        heartbeat (with rollout ranks)."""
+        try:
+            super().close()
+        finally:
+            if self.rollout_client is not None:
+                self.rollout_client.topology.close()
+
     def _build_reference(self) -> Engine:
         """A frozen copy of the policy, sharded like it; used only through ``Engine.forward``."""
         dims, cfg = self.parallel_dims, self.job_config
@@ -240,6 +260,7 @@ class GRPORecipe(Recipe):
                 vision=self.vision,
                 balance_dp_compute=t.balance_dp_compute,
                 max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+                cost_model=self.engine.options.cost_model,
             )
         )
         logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
@@ -272,7 +293,9 @@ class GRPORecipe(Recipe):
         num_demonstrations = round(rl.sft_warmup_demonstrations * len(problems))  # the loader shuffles
         rows = answered_rows(problems[num_demonstrations:])
         for problem in problems[:num_demonstrations]:
-            rows.append({"messages": first_messages(self.env_class, rl.env, problem) + demonstrate(problem)})
+            with calling_user_code(f"rl.env = {rl.env!r} on {problem.source}: demonstration()"):
+                demonstration = demonstrate(problem)
+            rows.append({"messages": first_messages(self.env_class, rl.env, problem) + demonstration})
         return rows
 
     # ------------------------------------------------------------------ the RL step
@@ -309,6 +332,7 @@ class GRPORecipe(Recipe):
             if self.rollout_client is not None and self.checkpointer.will_save(step, last=step == steps):
                 # The steps the rollout ranks generate before seeing these weights are part of the state.
                 self.rollout_client.receive_until(step + cfg.rl.max_staleness)
+                self.rollout_client.prepare_checkpoint()
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
         if self.rollout_client is not None:
@@ -343,7 +367,7 @@ class GRPORecipe(Recipe):
             values["comm/weight_sync_bytes"] = float(self._synced_bytes)
             self._synced_bytes = 0
         else:
-            kept, values, num_generated = self._received_groups(step, slots, times)
+            kept, values, num_generated = self._received_groups(step, times)
         minibatches = self._minibatch_samples(kept, slots_by_minibatch)
         # Before the reference and pi_old forwards, so that they are balanced too.
         with timed(times, "balance"):
@@ -353,6 +377,7 @@ class GRPORecipe(Recipe):
                 cfg.training.balance_dp_compute,
                 cfg.training.max_tokens_per_microbatch,
                 cfg.training.max_patches_per_microbatch if self.vision is not None else None,
+                self.engine.options.cost_model,
             )
         values.update({f"data/{key}": value for key, value in balance_stats.items()})
 
@@ -367,7 +392,7 @@ class GRPORecipe(Recipe):
                     sample.ref_logprobs = logprobs
         if self.recompute_proximal:
             with timed(times, "old_logprobs"):
-                values.update(self._recompute_proximal_logprobs(all_samples))
+                values.update(self._recompute_proximal_logprobs(all_samples, step))
         if self.correction.mode != "none":
             values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
 
@@ -377,8 +402,8 @@ class GRPORecipe(Recipe):
         if terms:
             merged = LossMetrics.combine(terms).reduce(dims.mesh("loss"))
             values.update({tag: float(value) for tag, value in merged.items()})
-        if "rl/sampler_logprob_diff_mean" not in values and "rl/logprob_diff_mean" in values:
-            # One update at the sampler's weights: its |logp - logp_sampler| is the mismatch.
+        if not self.recompute_proximal and "rl/logprob_diff_mean" in values:
+            # One update at the sampler's weights (no staleness): its |logp - logp_sampler| is the mismatch.
             values["rl/sampler_logprob_diff_mean"] = values["rl/logprob_diff_mean"]
             values["rl/sampler_logprob_diff_max"] = values["rl/logprob_diff_max"]
         if self.rollout_client is not None and is_version_sent(step, cfg.training.steps, rl.max_staleness):
@@ -386,7 +411,7 @@ class GRPORecipe(Recipe):
                 values["comm/weight_sync_bytes"] = float(self.rollout_client.send_weights(self.engine.model, step))
         values.update({f"time/{phase}_s": seconds for phase, seconds in times.items()})
         values["time/step_s"] = time.perf_counter() - start
-        values["throughput/generate_tps"] = num_generated / max(times["generate"], 1e-9)
+        values["throughput/generate_tps"] = self._generate_tps(num_generated, times["generate"])
         values["throughput/train_tps"] = num_trained / dims.world_size / max(times["train"], 1e-9)
         values["tokens/trained"] = float(num_trained)
         return values
@@ -401,38 +426,31 @@ class GRPORecipe(Recipe):
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
         tokens this rank generated. The metrics cover every group generated in the step (with
         dynamic sampling, of every round), trained or not."""
+        dims = self.parallel_dims
+        # A failure on one rank stops all of them: the next collectives span every training rank.
         sampled = self.sampler.sample(
-            step, slots, self.parallel_dims.mesh("batch"), self.parallel_dims.mesh("cp_tp"), times, self.rank == 0
+            step, slots, dims.mesh("batch"), dims.mesh("cp_tp"), self._training_ranks(), times, self.rank == 0
         )
-        values = dict(sampled.values)
-        values.update(self._rollout_metrics(sampled.generated, sampled.kept, self.parallel_dims.mesh("batch")))
-        return sampled.kept, values, sampled.num_generated
+        return sampled.kept, dict(sampled.values), sampled.num_generated
 
-    def _received_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
-        """Like ``_rollout_groups``, from the step's batch of the rollout ranks (which holds every
-        slot's groups): its generation time is theirs, ``time/wait_rollouts_s`` what the
-        trainers waited for it."""
+    def _training_ranks(self) -> dist.ProcessGroup | None:
+        """Every training rank's group (``failures_shared``), None when training alone."""
+        if not dist.is_initialized():
+            return None
+        return self.parallel_dims.trainer_group() or dist.group.WORLD
+
+    def _received_groups(self, step: int, times: dict) -> tuple[list[ScoredGroup], dict, int]:
+        """Like ``_rollout_groups``, from the rollout ranks' batch of the step, which holds this
+        rank's share alone (the groups of its slots) and the step's metrics, which the rollout
+        ranks computed over the whole step; its generation time is theirs,
+        ``time/wait_rollouts_s`` what the trainers waited for it."""
         with timed(times, "wait_rollouts"):
             batch, num_dropped = self.rollout_client.batch(step)
         self.stream.load_state_dict(batch.stream_state)
         times["generate"] = batch.generate_seconds
-        mine = set(slots)
         values = dict(batch.values)
-        # Every rank holds every group: the metrics need no reduction.
-        values.update(self._rollout_metrics(batch.generated, batch.kept, None))
-        # From the rollouts' own versions: what is trained, not what the schedule meant.
-        lags = [staleness(step, r.version) for g in batch.kept for r in g.rollouts] or [0]
-        values["rl/staleness_mean"] = sum(lags) / len(lags)
-        values["rl/staleness_max"] = float(max(lags))
         values["rl/dropped_stale"] = float(num_dropped)
-        return [g for g in batch.kept if g.slot in mine], values, batch.num_generated
-
-    def _rollout_metrics(self, generated: list[ScoredGroup], kept: list[ScoredGroup], mesh) -> dict[str, float]:
-        rl = self.job_config.rl
-        filtering = rl.dynamic_sampling or rl.filter_zero_variance_groups
-        num_filtered = sum(is_zero_variance(g) for g in generated) if filtering else 0
-        masked = sum(is_truncated(r) for g in kept for r in g.rollouts) if rl.mask_truncated else None
-        return rollout_metrics(*rollout_sums(generated, num_filtered, masked), mesh)
+        return batch.kept, values, batch.num_generated
 
     def _minibatch_samples(self, groups: list[ScoredGroup], slots_by_minibatch: list[list[int]]) -> list[list[Sample]]:
         minibatch_of = {slot: m for m, slots in enumerate(slots_by_minibatch) for slot in slots}
@@ -442,27 +460,53 @@ class GRPORecipe(Recipe):
         cfg = self.job_config
         return [to_samples(mb, cfg.training.seq_len, cfg.rl.mask_truncated, self.vision) for mb in minibatches]
 
-    def _recompute_proximal_logprobs(self, samples: list[Sample]) -> dict[str, float]:
-        """Set each sample's ``prox_logprobs`` to the policy's before the update (the sampler's
-        weights, trainer numerics; the sampler's own stay as they are) and return the
-        sampler-trainer mismatch over completion tokens."""
+    def _recompute_proximal_logprobs(self, samples: list[Sample], step: int) -> dict[str, float]:
+        """Set each sample's ``prox_logprobs`` to the policy's before the update (the weights
+        after step ``step - 1``, trainer numerics; the sampler's own stay as they are) and return
+        |log pi_prox - log pi_sampler| over completion tokens, apart for the rollouts those same
+        weights sampled (``rl/sampler_logprob_diff_*``: the sampler/trainer numeric mismatch)
+        and for rollouts of older weights (``rl/stale_logprob_diff_*``: the policy's drift since
+        they were sampled, mismatch included); each only on steps that have such rollouts."""
         proximal = self.engine.forward(samples).logprobs
-        deltas = [torch.zeros(0, dtype=torch.float64)]
+        # Row 0: the same weights' rollouts, row 1: older weights'; columns Σ|delta|, tokens.
+        sums = torch.zeros(2, 2, dtype=torch.float64)
+        largest = torch.zeros(2, dtype=torch.float64)
         for sample, logprobs in zip(samples, proximal):
             logprobs = logprobs.cpu().float()
-            deltas.append((logprobs - sample.sampler_logprobs)[sample.loss_mask].abs().double())
+            delta = (logprobs - sample.sampler_logprobs)[sample.loss_mask].abs().double()
+            stale = int(staleness(step, sample.sampler_version) > 0)
+            sums[stale, 0] += delta.sum()
+            sums[stale, 1] += delta.numel()
+            if delta.numel():
+                largest[stale] = torch.maximum(largest[stale], delta.max())
             sample.prox_logprobs = torch.where(sample.loss_mask, logprobs, 0.0)
-        delta = torch.cat(deltas)
-        sums = torch.tensor([delta.sum(), delta.numel()], dtype=torch.float64)
-        largest = delta.max(dim=0, keepdim=True).values if delta.numel() else torch.zeros(1, dtype=torch.float64)
         batch = self.parallel_dims.mesh("batch")
         if batch is not None:
             dist.all_reduce(sums, group=batch.get_group())
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=batch.get_group())
-        return {
-            "rl/sampler_logprob_diff_mean": float(sums[0] / sums[1].clamp(min=1)),
-            "rl/sampler_logprob_diff_max": float(largest[0]),
-        }
+        values = {}
+        for row, name in enumerate(("sampler", "stale")):
+            total, num_tokens = sums[row].tolist()
+            if num_tokens:
+                values[f"rl/{name}_logprob_diff_mean"] = total / num_tokens
+                values[f"rl/{name}_logprob_diff_max"] = float(largest[row])
+        return values
+
+    def _generate_tps(self, num_generated: int, seconds: float) -> float:
+        """``throughput/generate_tps``: tokens generated per second per generating rank, i.e. the
+        step's tokens of every generating rank over their number and the slowest one's
+        generation seconds. Colocated, ``num_generated`` and ``seconds`` are this rank's own and
+        are reduced here over the training ranks (collective); with rollout ranks they are
+        already their total and their slowest."""
+        dims = self.parallel_dims
+        if self.rollout_client is not None:
+            return num_generated / dims.num_rollout_ranks / max(seconds, 1e-9)
+        tokens = torch.tensor([float(num_generated)], dtype=torch.float64)
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(tokens, group=dims.trainer_group())
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=dims.trainer_group())
+        return float(tokens[0]) / dims.world_size / max(float(slowest[0]), 1e-9)
 
     def _update(self, minibatches: list[list[Sample]]) -> tuple[list[dict[str, float]], list[LossMetrics], int]:
         """``ppo_epochs`` passes of one optimizer step per mini-batch; a mini-batch that is empty
@@ -515,16 +559,17 @@ class GRPORecipe(Recipe):
             problems = {i: self.task.eval_problems[i] for i in indices}
             engine = EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
         greedy_params = dataclasses.replace(self.sampling, temperature=0.0)
-        greedy = engine.generate(prompts, indices, 1, greedy_params, seed, -step, images)
-        sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step, images)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
-        for i, index in enumerate(indices):
-            problem = self.task.eval_problems[index]
-            correct = [self._is_correct(problem, r) for r in sampled[i * k : (i + 1) * k]]
-            sums += torch.tensor(
-                [1.0, float(self._is_correct(problem, greedy[i])), pass_at_k(k, sum(correct), k), sum(correct) / k],
-                dtype=torch.float64,
-            )
+        with failures_shared(self._training_ranks()):  # the environment's and the reward's code
+            greedy = engine.generate(prompts, indices, 1, greedy_params, seed, -step, images)
+            sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step, images)
+            for i, index in enumerate(indices):
+                problem = self.task.eval_problems[index]
+                correct = [self._is_correct(problem, r) for r in sampled[i * k : (i + 1) * k]]
+                greedy_correct = float(self._is_correct(problem, greedy[i]))
+                sums += torch.tensor(
+                    [1.0, greedy_correct, pass_at_k(k, sum(correct), k), sum(correct) / k], dtype=torch.float64
+                )
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.parallel_dims.trainer_group())
         n = float(sums[0].clamp(min=1))

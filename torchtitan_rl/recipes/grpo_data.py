@@ -15,15 +15,17 @@ from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig
 from torchtitan_rl.recipes.base import (
     RunContext,
     check_divisible_by_data_parallel,
+    compute_dtype,
     lora_settings,
     model_args_from_config,
     vision_data_config,
 )
 from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import PromptImages, SamplingParams, TorchGenerator
+from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.tasks import GENERATED_TASKS, Problem, Task, build_task
 
-GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # generation.dtype but "auto"
 _BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a task that draws its problems
 
 
@@ -145,11 +147,10 @@ def check_lora_reference(job_config: JobConfig) -> None:
 
 
 def first_messages(env_class: type, env_name: str, problem: Problem) -> list[dict]:
-    """``env_class(problem).reset()``, or a ValueError naming the environment and the problem."""
-    try:
+    """``env_class(problem).reset()``; what it raises becomes a ``UserCodeError``, what it
+    returns other than a list a ValueError, both naming the environment and the problem."""
+    with calling_user_code(f"rl.env = {env_name!r} on {problem.source}: reset()"):
         messages = env_class(problem).reset()
-    except Exception as err:  # noqa: BLE001  (a user's environment: name it, whatever it raised)
-        raise ValueError(f"rl.env = {env_name!r} on {problem.source}: reset() raised {err!r}") from err
     if not isinstance(messages, list):
         raise ValueError(
             f"rl.env = {env_name!r} on {problem.source}: reset() returned {type(messages).__name__}, not a list of "
@@ -167,12 +168,18 @@ def build_generator(
     return TorchGenerator(
         model_args,
         device,
-        GENERATION_DTYPES[generation.dtype],
+        generation_dtype(job_config, device),
         generation.max_prompts_per_batch,
         lora=lora_settings(job_config),
         vision=vision,
         freeze_vision=job_config.model.freeze_vision,
     )
+
+
+def generation_dtype(job_config: JobConfig, device: torch.device) -> torch.dtype:
+    """``generation.dtype`` on ``device``: "auto" is the trainer's compute dtype there."""
+    name = job_config.generation.dtype
+    return compute_dtype(job_config, device) if name == "auto" else _GENERATION_DTYPES[name]
 
 
 def sampling_params(job_config: JobConfig, stop_token_ids: tuple[int, ...]) -> SamplingParams:

@@ -5,25 +5,29 @@ It reads the same task, builds the same meshes (group creation is collective ove
 and the same ``StepSampler`` as a colocated trainer; it holds no trainable model, only the
 generator's replica. The rollout ranks split each step's prompts among themselves like the CP /
 TP peers of a colocated data-parallel rank (``rollout`` mesh) and all of them hold the whole
-step; the first one sends it.
+step; the first one sends each training rank its share (``send_step_batch``).
 """
 
 import logging
-import time
 
 import torch.distributed as dist
 
+from torchtitan_rl.distributed.utils import PeerFailedError
 from torchtitan_rl.recipes.base import RunContext, model_args_from_config
 from torchtitan_rl.recipes.grpo_data import build_generator, read_task, sampling_params
 from torchtitan_rl.rl.rollout_ranks import (
-    FINISHED,
     Outbox,
+    RolloutFailure,
     StepBatch,
     WeightReceiver,
-    build_rollout_topology,
     generation_version,
+    receive_finished,
     receive_object,
+    send_step_batch,
+    step_values,
+    trainer_slots,
 )
+from torchtitan_rl.rl.rollout_topology import build_rollout_topology
 from torchtitan_rl.rl.rollouts import PromptStream
 from torchtitan_rl.rl.step_sampler import StepSampler
 
@@ -41,7 +45,11 @@ class RolloutWorker:
         data = read_task(run)
         dims.build_meshes(self.device.type)
         self.topology = build_rollout_topology(
-            dims.world_size, dims.num_rollout_ranks, self.device.type, cfg.comm.rollout_timeout_seconds
+            dims.world_size,
+            dims.num_rollout_ranks,
+            self.device.type,
+            cfg.comm.silent_peer_timeout_seconds,
+            cfg.comm.collective_timeout_seconds,
         )
         model_args = model_args_from_config(cfg, self.device, run.tokenizer)
         self.generator = build_generator(cfg, model_args, self.device, data.vision)
@@ -58,12 +66,14 @@ class RolloutWorker:
             data.train_images,
         )
         self.receiver = WeightReceiver(self.topology, self.generator, self.device)
-        self.outbox = Outbox()
+        self.slots_by_trainer = trainer_slots(dims, cfg.rl.prompts_per_step, cfg.rl.num_minibatches)
+        self.outbox = Outbox(self.topology)
         self.start_version = self.first_step = 0
 
     def setup(self) -> bool:
         """Wait for the training ranks (their warm-up or checkpoint load) to say where to start."""
-        start = receive_object(0, self.topology, "training rank 0 sent no start message")
+        waited = "waiting for training rank 0's start message (after its warm-up or checkpoint load)"
+        start = receive_object(0, self.topology, waited)
         self.start_version, self.first_step = start["version"], start["first_step"]
         self.stream.load_state_dict(start["stream"])
         return self.start_version > 0
@@ -81,35 +91,53 @@ class RolloutWorker:
                 version = self.start_version if version is None else version + 1
                 self.receiver.receive(version)
             times: dict[str, float] = {}
-            start = time.perf_counter()
-            sampled = self.sampler.sample(step, slots, None, self.topology.rollout_mesh, times, warn=is_leader)
-            num_generated = self._all_generated(sampled.num_generated)
+            mesh = self.topology.rollout_mesh
+            try:
+                sampled = self.sampler.sample(
+                    step, slots, None, mesh, None if mesh is None else mesh.get_group(), times, warn=is_leader
+                )
+            except Exception as err:
+                if is_leader:  # every rollout rank knows (``failures_shared``): one tells the trainers
+                    self._send_failure(step, err)
+                raise
+            num_generated, generate_seconds = self._all_generated(sampled.num_generated, times["generate"])
             if not is_leader:
                 continue
             batch = StepBatch(
                 step,
                 version,
-                sampled.generated,
                 sampled.kept,
-                sampled.values,
+                step_values(step, sampled.values, sampled.kept),
                 self.stream.state_dict(),
                 num_generated,
-                time.perf_counter() - start,
+                generate_seconds,
             )
-            for trainer in range(self.topology.num_trainers):
-                self.outbox.send(batch, trainer)
-        self.outbox.flush(self.topology, "the training ranks took no rollouts")
-        message = receive_object(0, self.topology, "training rank 0 did not finish (its last steps and checkpoint)")
-        assert message == FINISHED, message
+            send_step_batch(self.outbox, batch, self.slots_by_trainer)
+        self.outbox.flush("waiting for the training ranks to take the last rollouts")
+        receive_finished(self.topology)
 
-    def _all_generated(self, num_generated: int) -> int:
-        """The step's generated tokens over the rollout ranks (each generated a part)."""
+    def _send_failure(self, step: int, err: Exception) -> None:
+        """Tell every training rank, waiting for ``step``'s rollouts, why they will not come."""
+        if isinstance(err, PeerFailedError):
+            failure = RolloutFailure(step, err.rank, err.error)
+        else:
+            failure = RolloutFailure(step, self.rank, f"{type(err).__name__}: {err}")
+        for trainer in range(self.topology.num_trainers):
+            self.outbox.send(failure, trainer)
+        # Also to trainers that wait for the rollout ranks to take the next weights.
+        self.topology.liveness.report_failure(failure.rank, failure.error)
+        self.outbox.flush("waiting for the training ranks to take the failure")
+
+    def _all_generated(self, num_generated: int, seconds: float) -> tuple[int, float]:
+        """The step's generated tokens over the rollout ranks (each generated a part) and the
+        slowest one's generation seconds."""
         mesh = self.topology.rollout_mesh
         if mesh is None:
-            return num_generated
-        counts: list = [None] * mesh.size()
-        dist.all_gather_object(counts, num_generated, group=mesh.get_group())
-        return sum(counts)
+            return num_generated, seconds
+        gathered: list = [None] * mesh.size()
+        dist.all_gather_object(gathered, (num_generated, seconds), group=mesh.get_group())
+        return sum(n for n, _ in gathered), max(s for _, s in gathered)
 
     def close(self) -> None:
-        """Nothing outlives ``train()``: its sends are flushed there."""
+        """Stop the heartbeat; nothing else outlives ``train()``, its sends are flushed there."""
+        self.topology.close()

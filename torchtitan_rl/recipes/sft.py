@@ -60,6 +60,7 @@ class SFTRecipe(Recipe):
             vision=vision_data_config(job_config, self.model_args),
             balance_dp_compute=t.balance_dp_compute,
             max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+            cost_model=self.engine.options.cost_model,
             prefetch=t.dataset_prefetch,
             # Checking, planning, packing and counting the micro-batches (and, on the CPU,
             # planning their attention) run on the prefetch thread too, off the step.

@@ -13,6 +13,7 @@ from torchtitan_rl.data.tokenizer import Tokenizer
 from torchtitan_rl.rl.envs import EnvStep
 from torchtitan_rl.rl.episodes import generate_episodes
 from torchtitan_rl.rl.generator import Rollout, SamplingParams, TorchGenerator
+from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.tasks.task import Problem
 
 
@@ -136,16 +137,12 @@ class EpisodeRunner:
         return f"rl.env = {self.env_name!r} on {self.problems[prompt_index].source}"
 
     def _make(self, prompt_index: int):
-        try:
+        with calling_user_code(f"{self._where(prompt_index)}: creating the environment"):
             return self.env_class(self.problems[prompt_index])
-        except Exception as err:  # noqa: BLE001  (a user's environment: name it, whatever it raised)
-            raise ValueError(f"{self._where(prompt_index)}: creating the environment raised {err!r}") from err
 
     def _step(self, env, prompt_index: int, completion: str) -> EnvStep:
-        try:
+        with calling_user_code(f"{self._where(prompt_index)}: step()"):
             result = env.step(completion)
-        except Exception as err:  # noqa: BLE001
-            raise ValueError(f"{self._where(prompt_index)}: step() raised {err!r}") from err
         if not isinstance(result, EnvStep):
             raise ValueError(f"{self._where(prompt_index)}: step() returned {type(result).__name__}, not an EnvStep")
         if not result.done and not result.observation:

@@ -6,11 +6,14 @@ observations are tokenized once by the caller (``respond``) and appended. The re
 which tokens were sampled (the loss tokens, the turn's stop token included) and their
 behaviour log-probs; observation and template tokens carry neither.
 
-With the KV cache (the default) each row's cache holds its episode so far: turn 0 prefills the
-prompts (each prompt once for its samples), and every later call feeds only what is new, one
-sampled token per running row, or, for a row starting a new turn, the last turn's stop token
-followed by the observation's tokens, all rows packed into one forward. Finished episodes drop
-out of the forward. ``kv_cache=False`` recomputes every running row's whole episode at every
+With the KV cache (the default) each running row's cache holds its episode so far: turn 0
+prefills the prompts (each prompt once for its samples), and every later call feeds only what
+is new, one sampled token per running row, or, for a row starting a new turn, the last turn's
+stop token followed by the observation's tokens, all rows packed into one forward
+(``ExtendAttention``, which reads the cache through views). Finished episodes drop out of the
+forward. The cache has the slots the running turns can reach (a turn's start plus
+``max_new_tokens``, within ``max_len``): a turn that starts beyond them grows it, keeping the
+running rows only. ``kv_cache=False`` recomputes every running row's whole episode at every
 token: the reference the cache is tested against.
 
 Randomness: row (prompt index p, sample s) draws one uniform per sampled token, in order, from
@@ -22,17 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from torchtitan_rl.rl.generator import (
+    PromptBatch,
     SamplingParams,
     TorchGenerator,
-    _Batch,
-    _KVCache,
-    _pack,
+    pack_sequences,
     rollout_seed,
     sample_tokens,
 )
+from torchtitan_rl.rl.kv_cache import ExtendAttention
 
 # (prompt index, sample index, the turn's sampled tokens, its stop token last) -> the tokens to
 # append before the next turn, or None to end the episode.
@@ -49,37 +51,6 @@ class EpisodeTokens:
     num_turns: int
     end_reason: str  # "done" (respond ended it), "max_turns", "length" (budget or max_new_tokens)
     version: int
-
-
-@dataclass(frozen=True)
-class _ExtendAttention:
-    """Attention state feeding several new tokens per row: token i (of row ``rows[i]``, at
-    ``positions[i]``) is written to its row's cache slot, then attends to that row's slots
-    ``0..positions[i]`` (the row's earlier tokens and the new ones before it)."""
-
-    cache: _KVCache
-    rows: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    span: int
-
-    def for_layer(self, layer_id: int):
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.cache.k[layer_id].index_put_((self.rows, self.positions), k)
-            self.cache.v[layer_id].index_put_((self.rows, self.positions), v)
-            keys, values = (c[layer_id][self.rows, : self.span].transpose(1, 2) for c in (self.cache.k, self.cache.v))
-            slots = torch.arange(self.span, device=q.device)
-            visible = (slots[None, :] <= self.positions[:, None])[:, None, None, :]
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys,
-                values,
-                attn_mask=visible,
-                scale=q.shape[-1] ** -0.5,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-            return out.squeeze(2)
-
-        return attend
 
 
 def generate_episodes(
@@ -102,7 +73,7 @@ def generate_episodes(
     episode is done. An episode also ends after ``max_turns`` turns and when it would exceed
     ``max_len`` tokens (a turn cut there, or an observation that does not fit: ``length``).
     """
-    generator._check_inputs(prompts, prompt_indices, num_samples, params)
+    generator.check_inputs(prompts, prompt_indices, num_samples, params)
     for index, prompt in zip(prompt_indices, prompts):
         if len(prompt) >= max_len:
             raise ValueError(f"prompt {index}: {len(prompt)} tokens leave no room in an episode of {max_len} tokens")
@@ -112,29 +83,29 @@ def generate_episodes(
     size = generator.max_prompts_per_batch
     for start in range(0, len(prompts), size):
         end = start + size
-        batch = _Batch(prompts[start:end], num_samples, generator.device)
+        batch = PromptBatch(prompts[start:end], num_samples, generator.device)
         pairs = [(p, s) for p in prompt_indices[start:end] for s in range(num_samples)]
         episodes += _EpisodeBatch(generator, batch, pairs, params, seed, step, max_len).run(respond, max_turns)
     return episodes
 
 
 class _EpisodeBatch:
-    def __init__(self, generator, batch: _Batch, pairs, params, seed: int, step: int, max_len: int):
+    def __init__(self, generator, batch: PromptBatch, pairs, params, seed: int, step: int, max_len: int):
         self.gen, self.batch, self.pairs, self.params, self.max_len = generator, batch, pairs, params, max_len
         self.rngs = [torch.Generator().manual_seed(rollout_seed(seed, step, p, s)) for p, s in pairs]
         self.tokens = [list(batch.prompts[r // batch.num_samples]) for r in range(len(pairs))]
         self.sampled = [[False] * len(t) for t in self.tokens]
         self.logprobs = [[0.0] * len(t) for t in self.tokens]
-        self.cache = None
-        if generator.kv_cache:
-            shape = (generator.args.n_layers, len(pairs), max_len, generator.args.n_kv_heads, generator.args.head_dim)
-            dtype = generator.model.output.weight.dtype
-            # Zeros, not empty: masked slots get zero weight, and 0 * NaN garbage would still be NaN.
-            device = generator.device
-            self.cache = _KVCache(
-                torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
-            )
+        self.turn_start = [len(t) for t in self.tokens]  # where each row's running turn began
+        self.cache_row = {r: r for r in range(len(pairs))}  # each running row's row in the cache
+        self.cache = generator.new_cache(len(pairs), self._reach(range(len(pairs)))) if generator.kv_cache else None
         self.cached_len = [0] * len(pairs)  # tokens of each row already in its cache
+
+    def _reach(self, rows) -> int:
+        """The cache slots ``rows``' running turns can fill: every token of a turn but its last
+        (fed with the observation after it, when the next turn starts), within ``max_len``
+        tokens (the last of which is never fed)."""
+        return max(min(self.turn_start[r] + self.params.max_new_tokens - 1, self.max_len - 1) for r in rows)
 
     @torch.no_grad()
     def run(self, respond: Respond, max_turns: int) -> list[EpisodeTokens]:
@@ -174,6 +145,7 @@ class _EpisodeBatch:
                     self.tokens[r] += observation
                     self.sampled[r] += [False] * len(observation)
                     self.logprobs[r] += [0.0] * len(observation)
+                    self.turn_start[r] = len(self.tokens[r])
                     num_turns[r] += 1
                     running.append(r)
             rows = running
@@ -196,7 +168,7 @@ class _EpisodeBatch:
     def _first_logits(self) -> torch.Tensor:
         if self.cache is None:
             return self._recomputed_logits(list(range(len(self.pairs))))
-        logits = self.gen._prefill(self.batch, self.cache)
+        logits = self.gen.prefill(self.batch, self.cache)
         self.cached_len = [len(t) for t in self.tokens]
         return logits
 
@@ -204,20 +176,21 @@ class _EpisodeBatch:
         """Logits after each of ``rows``' tokens so far (every row has tokens not yet fed)."""
         if self.cache is None:
             return self._recomputed_logits(rows)
+        if (reach := self._reach(rows)) > self.cache.num_slots:
+            self.cache = self.cache.resized([self.cache_row[r] for r in rows], reach)
+            self.cache_row = {r: i for i, r in enumerate(rows)}
         new = [self.tokens[r][self.cached_len[r] :] for r in rows]
-        device = self.gen.device
-        ids = torch.tensor([t for part in new for t in part], device=device)
-        row_ids = torch.tensor([r for r, part in zip(rows, new) for _ in part], device=device)
-        positions = torch.tensor(
-            [self.cached_len[r] + i for r, part in zip(rows, new) for i in range(len(part))], device=device
+        attention = ExtendAttention.build(
+            self.cache, [self.cache_row[r] for r in rows], [self.cached_len[r] for r in rows], [len(n) for n in new]
         )
-        last = torch.tensor([len(part) for part in new], device=device).cumsum(0) - 1
-        span = max(len(self.tokens[r]) for r in rows)
-        attention = _ExtendAttention(self.cache, row_ids, positions, span)
         for r in rows:
             self.cached_len[r] = len(self.tokens[r])
-        return self.gen._logits(ids, positions, row_ids, attention, last)
+        ids = torch.tensor([t for part in new for t in part], device=self.gen.device)
+        last = torch.tensor([len(part) for part in new], device=self.gen.device).cumsum(0) - 1
+        return self.gen.logits(ids, attention.positions, attention.rows, attention, last)
 
     def _recomputed_logits(self, rows: list[int]) -> torch.Tensor:
-        ids, positions, seq_ids, last = _pack([torch.tensor(self.tokens[r], device=self.gen.device) for r in rows])
-        return self.gen._logits(ids, positions, seq_ids, rows=last)
+        ids, positions, seq_ids, last = pack_sequences(
+            [torch.tensor(self.tokens[r], device=self.gen.device) for r in rows]
+        )
+        return self.gen.logits(ids, positions, seq_ids, rows=last)

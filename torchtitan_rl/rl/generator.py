@@ -15,12 +15,12 @@ colocated sync casts the same way), so both paths build the same replica bit for
 How a batch of prompts is generated (``kv_cache=True``):
 
 1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
-   forward; its attention state (``_PrefillAttention``) writes every layer's K/V into each
-   prompt's ``num_samples`` cache rows. The first token of each row is sampled from its
-   prompt's last-position logits. A vision-language model's prompts bring their images: the
-   vision tower encodes all images of the batch in one packed call, once per prompt however
-   many samples it has, and the features replace the placeholder tokens' embeddings through
-   ``vision_index``, exactly as in training.
+   forward; its attention state (``PrefillAttention``, ``rl/kv_cache.py``) writes every
+   layer's K/V into each prompt's ``num_samples`` cache rows. The first token of each row is
+   sampled from its prompt's last-position logits. A vision-language model's prompts bring
+   their images: the vision tower encodes all images of the batch in one packed call, once per
+   prompt however many samples it has, and the features replace the placeholder tokens'
+   embeddings through ``vision_index``, exactly as in training.
 2. Decode: one token per row per step at the row's own position (RoPE included); attention
    reads the row's cache slots ``0..position`` and masks the rest. Finished rows keep running
    (static shapes) but their output is frozen. Generated tokens are text: decoding never
@@ -49,16 +49,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.data.vision_samples import PlannedImage, VisionDataConfig, image_vision_rows, load_images
-from torchtitan_rl.models.attention import (
-    AttentionContext,
-    AttentionState,
-    LayerAttention,
-    build_attention_context,
-)
+from torchtitan_rl.models.attention import AttentionState, LayerAttention, build_attention_context
 from torchtitan_rl.models.lora import LoRASettings, adapted_module_name, add_adapters, is_adapter_key, merged_weight
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.registry import spec_for_args
 from torchtitan_rl.models.vlm.model import VisionInputs
+from torchtitan_rl.rl.kv_cache import KVCache, PrefillAttention
 
 PromptImages = tuple[PlannedImage, ...]
 """A prompt's images, in order, with their placeholders' positions in its tokens (none: text)."""
@@ -172,42 +168,12 @@ def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _KVCache:
-    """Keys and values of every layer, ``[n_layers, rows, slots, n_kv_heads, head_dim]``; row r,
-    slot p holds the token at position p of row r."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _PrefillAttention:
-    """Attention state of a prefill: each layer attends like the packed forward (``context``)
-    and writes its keys and values to the cache, token j of prompt i into slot ``positions[j]``
-    of the ``samples`` rows of that prompt (``rows``, ``slots``: one entry per token and sample)."""
-
-    context: AttentionContext
-    cache: _KVCache
-    rows: torch.Tensor
-    slots: torch.Tensor
-    samples: int
-
-    def for_layer(self, layer_id: int) -> LayerAttention:
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.cache.k[layer_id].index_put_((self.rows, self.slots), k.repeat_interleave(self.samples, dim=0))
-            self.cache.v[layer_id].index_put_((self.rows, self.slots), v.repeat_interleave(self.samples, dim=0))
-            return self.context(q, k, v)
-
-        return attend
-
-
-@dataclass(frozen=True)
 class _DecodeAttention:
     """Attention state of a decode step: token r (of row r, at ``positions[r]``) is written to
     its cache slot and attends to the row's slots ``0..position`` (``visible``, over the first
     ``span`` slots: up to the furthest row's position)."""
 
-    cache: _KVCache
+    cache: KVCache
     rows: torch.Tensor  # [R]
     positions: torch.Tensor  # [R]
     span: int
@@ -232,8 +198,9 @@ class _DecodeAttention:
 
 
 @dataclass
-class _Batch:
-    """The prompts of one batch; row ``i * num_samples + s`` is sample s of prompt i."""
+class PromptBatch:
+    """The prompts of one batch; row ``i * num_samples + s`` (of its KV cache, of its rollouts)
+    is sample s of prompt i."""
 
     prompts: list[list[int]]
     num_samples: int
@@ -260,7 +227,7 @@ class _Batch:
         return lens.repeat_interleave(self.num_samples)
 
 
-def _pack(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens, positions, seq_ids, index of each sequence's last token) of packed sequences."""
     device = sequences[0].device
     lens = torch.tensor([s.numel() for s in sequences], device=device)
@@ -444,16 +411,17 @@ class TorchGenerator:
         any). No prompts give no rollouts: a rank's share of a step can be empty (TP / CP peers
         split their prompts among themselves), and generation involves no collective.
         """
-        self._check_inputs(prompts, prompt_indices, num_samples, params, images)
+        self.check_inputs(prompts, prompt_indices, num_samples, params, images)
         rollouts = []
         for start in range(0, len(prompts), self.max_prompts_per_batch):
             end = start + self.max_prompts_per_batch
             batch_images = list(images[start:end]) if images is not None and any(images[start:end]) else None
-            batch = _Batch(prompts[start:end], num_samples, self.device, batch_images)
+            batch = PromptBatch(prompts[start:end], num_samples, self.device, batch_images)
             rollouts += self._generate_batch(batch, prompt_indices[start:end], params, seed, step)
         return rollouts
 
-    def _check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams, images=None) -> None:
+    def check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams, images=None) -> None:
+        """ValueError unless ``generate`` can take these inputs; RuntimeError before the first weights."""
         if len(prompts) != len(prompt_indices):
             raise ValueError(f"{len(prompts)} prompts but {len(prompt_indices)} prompt_indices")
         if images is not None:
@@ -485,7 +453,7 @@ class TorchGenerator:
             raise RuntimeError("call update_weights before generate: the replica has no weights yet")
 
     def _generate_batch(
-        self, batch: _Batch, prompt_indices: list[int], params: SamplingParams, seed: int, step: int
+        self, batch: PromptBatch, prompt_indices: list[int], params: SamplingParams, seed: int, step: int
     ) -> list[Rollout]:
         pairs = [(p, s) for p in prompt_indices for s in range(batch.num_samples)]
         generators = [torch.Generator().manual_seed(rollout_seed(seed, step, p, s)) for p, s in pairs]
@@ -521,7 +489,7 @@ class TorchGenerator:
             for r, (p, s) in enumerate(pairs)
         ]
 
-    def _vision_inputs(self, batch: _Batch, num_inputs: list[int], prompt_of: list[int]) -> VisionInputs | None:
+    def _vision_inputs(self, batch: PromptBatch, num_inputs: list[int], prompt_of: list[int]) -> VisionInputs | None:
         """The images of packed sequences, sequence k of ``num_inputs[k]`` tokens starting with
         prompt ``prompt_of[k]`` of ``batch`` (whose images it holds); None for a text batch.
         Each prompt's images are decoded once, whatever the number of sequences that hold them."""
@@ -544,7 +512,7 @@ class TorchGenerator:
             torch.cat(index).to(self.device),
         )
 
-    def _logits(
+    def logits(
         self,
         tokens,
         positions,
@@ -563,56 +531,51 @@ class TorchGenerator:
             hidden = hidden.index_select(0, rows)
         return self.model.output(hidden).float()
 
-    def _uncached_logits(self, batch: _Batch):
+    def new_cache(self, num_rows: int, num_slots: int) -> KVCache:
+        """A zeroed KV cache of this model, in the replica's dtype and on its device."""
+        shape = (self.args.n_layers, num_rows, num_slots, self.args.n_kv_heads, self.args.head_dim)
+        return KVCache.zeros(shape, self.model.output.weight.dtype, self.device)
+
+    def _uncached_logits(self, batch: PromptBatch):
         """Step t: rerun every row's prompt + first t sampled tokens; last-position logits."""
         prompts = [torch.tensor(p, device=self.device) for p in batch.prompts]
 
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
             prompt_of = [r // batch.num_samples for r in range(batch.num_rows)]
             sequences = [torch.cat((prompts[prompt_of[r]], tokens[r, :t])) for r in range(batch.num_rows)]
-            ids, positions, seq_ids, last = _pack(sequences)
+            ids, positions, seq_ids, last = pack_sequences(sequences)
             vision = self._vision_inputs(batch, [s.numel() for s in sequences], prompt_of)
-            return self._logits(ids, positions, seq_ids, rows=last, vision=vision)
+            return self.logits(ids, positions, seq_ids, rows=last, vision=vision)
 
         return next_logits
 
-    def _cached_logits(self, batch: _Batch, params: SamplingParams):
+    def _cached_logits(self, batch: PromptBatch, params: SamplingParams):
         """Step 0: prefill (fills the cache); step t: decode token t-1 of every row."""
-        shape = (
-            self.args.n_layers,
-            batch.num_rows,
-            batch.longest_prompt + params.max_new_tokens,
-            self.args.n_kv_heads,
-            self.args.head_dim,
-        )
-        dtype = self.model.output.weight.dtype
-        # Zeros, not empty: masked slots get zero weight, and 0 * NaN garbage would still be NaN.
-        cache = _KVCache(
-            torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device)
-        )
+        cache = self.new_cache(batch.num_rows, batch.longest_prompt + params.max_new_tokens)
         prompt_lens = batch.row_prompt_lens()
 
         def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
             if t == 0:
-                return self._prefill(batch, cache)
+                return self.prefill(batch, cache)
             positions = prompt_lens + (t - 1)
             return self._decode(tokens[:, t - 1], positions, batch.longest_prompt + t, cache)
 
         return next_logits
 
-    def _prefill(self, batch: _Batch, cache: _KVCache) -> torch.Tensor:
-        """Packed forward of the batch's prompts, each once; returns the rows' first logits."""
-        ids, positions, seq_ids, last = _pack([torch.tensor(p, device=self.device) for p in batch.prompts])
+    def prefill(self, batch: PromptBatch, cache: KVCache) -> torch.Tensor:
+        """Packed forward of the batch's prompts, each once, writing their keys and values to the
+        first slots of ``cache``'s rows (``batch.num_rows`` of them); returns the rows' first logits."""
+        ids, positions, seq_ids, last = pack_sequences([torch.tensor(p, device=self.device) for p in batch.prompts])
         samples = batch.num_samples
         # Token j goes to slot positions[j] of its prompt's rows seq_ids[j] * S + 0..S-1.
         rows = (seq_ids[:, None] * samples + torch.arange(samples, device=self.device)).flatten()
         slots = positions.repeat_interleave(samples)
         context = build_attention_context(self.args.attn_backend, seq_ids, positions)
-        attention = _PrefillAttention(context, cache, rows, slots, samples)
+        attention = PrefillAttention(context, cache, rows, slots, samples)
         vision = self._vision_inputs(batch, [len(p) for p in batch.prompts], list(range(len(batch.prompts))))
-        return self._logits(ids, positions, seq_ids, attention, last, vision).repeat_interleave(samples, dim=0)
+        return self.logits(ids, positions, seq_ids, attention, last, vision).repeat_interleave(samples, dim=0)
 
-    def _decode(self, tokens, positions, span: int, cache: _KVCache) -> torch.Tensor:
+    def _decode(self, tokens, positions, span: int, cache: KVCache) -> torch.Tensor:
         """One token per row at its own position, attending to its cache slots 0..position.
 
         Only the first ``span`` slots are read: up to the furthest row's position.
@@ -620,4 +583,4 @@ class TorchGenerator:
         rows = torch.arange(tokens.numel(), device=self.device)
         visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         attention = _DecodeAttention(cache, rows, positions, span, visible)
-        return self._logits(tokens, positions, rows, attention)
+        return self.logits(tokens, positions, rows, attention)

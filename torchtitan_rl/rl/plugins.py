@@ -1,10 +1,28 @@
 """A user's Python object named in the config as ``package.module:name``: imported at start-up,
 so a typo or a missing module stops the run before any rank builds anything, naming the key."""
 
+import contextlib
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+
+class UserCodeError(RuntimeError):
+    """A user's code (``rl.env``, ``rl.task``, ``rl.reward_fn``) raised while the run called it:
+    the message names the key and what was called on what; the cause (chained) is the user's
+    exception, whose traceback ``train.py`` prints. Not a config mistake: whatever the user's
+    code raised, a ValueError included, keeps its traceback."""
+
+
+@contextlib.contextmanager
+def calling_user_code(what: str) -> Iterator[None]:
+    """Run a call of a user's code: an exception it raises becomes a ``UserCodeError`` whose
+    message is ``what`` (e.g. ``rl.env = 'my_env:Env' on data.jsonl:3: step()``) and the error."""
+    try:
+        yield
+    except Exception as err:
+        raise UserCodeError(f"{what} raised {type(err).__name__}: {err}") from err
 
 
 def is_import_path(value: str) -> bool:

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan_rl.data.balance import assign_to_ranks, rank_loads, sample_cost
+from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, assign_to_ranks, rank_loads
 from torchtitan_rl.data.sample import Sample, SampleImage
 from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_rows, load_images
+from torchtitan_rl.distributed.utils import all_to_all_objects
 from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout
 from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
@@ -199,6 +200,7 @@ def to_samples(
                         [torch.zeros(num_prompt), torch.tensor(rollout.logprobs, dtype=torch.float32)]
                     ),
                     group_id=group.slot,
+                    sampler_version=rollout.version,
                 )
             )
             if images:
@@ -230,6 +232,7 @@ def plan_dp_balance(
     max_tokens: int = 0,
     patches: list[list[list[int]]] | None = None,
     max_patches: int = 0,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> tuple[list[list[list[SampleKey]]], dict]:
     """Which samples every data-parallel rank trains in every mini-batch, and how even the work is.
 
@@ -241,7 +244,7 @@ def plan_dp_balance(
     Returns ``plan[m][r]``, the keys rank r trains in mini-batch m in that global order, and the
     step's ``dp_cost_imbalance`` of the split used, of the ranks' own shares (``_contiguous``)
     and of the balanced split (``_balanced``): Σ over mini-batches of the slowest rank's
-    ``data.balance.sample_cost`` over Σ of the mean rank cost, since every update waits for its
+    ``cost_model`` over Σ of the mean rank cost, since every update waits for its
     slowest rank (1.0 is even; with one mini-batch, SFT's max / mean). With ``balance`` every
     mini-batch is split by ``assign_to_ranks`` over its global order, for micro-batches of
     ``max_tokens`` tokens, unless the own shares have no higher estimated step cost (then
@@ -258,7 +261,7 @@ def plan_dp_balance(
     for m in range(len(lengths[0])):
         keys = [(r, i) for r in range(num_ranks) for i in range(len(lengths[r][m]))]
         num_patches = [patches[r][m][i] for r, i in keys] if patches is not None else [0] * len(keys)
-        costs = [sample_cost(lengths[r][m][i], p) for (r, i), p in zip(keys, num_patches)]
+        costs = [cost_model.sample_cost(lengths[r][m][i], p) for (r, i), p in zip(keys, num_patches)]
         own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(num_ranks)]
         balanced = assign_to_ranks(
             [lengths[r][m][i] for r, i in keys],
@@ -267,6 +270,7 @@ def plan_dp_balance(
             max_tokens=max_tokens,
             max_patches=max_patches,
             fallback=own,
+            cost_model=cost_model,
         )
         chosen = balanced if balance else own
         for suffix, split in (("", chosen), ("_contiguous", own), ("_balanced", balanced)):
@@ -279,22 +283,15 @@ def plan_dp_balance(
     return plan, stats
 
 
-def _moved_from(plan: list[list[list[SampleKey]]], source: int) -> list[tuple[int, int]]:
-    """(mini-batch, index) of rank ``source``'s samples that another rank trains, in an order
-    every rank derives from the plan alone."""
-    return [
-        (m, i)
-        for m, ranks in enumerate(plan)
-        for dest, keys in enumerate(ranks)
-        if dest != source
-        for s, i in keys
-        if s == source
-    ]
+def _moves(plan: list[list[list[SampleKey]]], source: int, dest: int) -> list[tuple[int, int]]:
+    """(mini-batch, index) of rank ``source``'s samples that rank ``dest`` trains, in an order
+    both derive from the plan alone."""
+    return [(m, i) for m, ranks in enumerate(plan) for s, i in ranks[dest] if s == source]
 
 
 def _to_wire(sample: Sample) -> dict:
     """``sample``'s fields with its tensors as numpy arrays: pickling a numpy array copies one
-    buffer, a torch tensor goes through storage serialization (~16x slower for GRPO samples).
+    buffer, a torch tensor goes through torch's much slower storage serialization.
     Images travel as (patches, rows, cols)."""
     fields = {
         field.name: value.numpy() if isinstance(value, torch.Tensor) else value
@@ -316,26 +313,29 @@ def _from_wire(fields: dict) -> Sample:
     return sample
 
 
-def outgoing_samples(plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]]) -> list[dict]:
-    """This rank's samples that other ranks train (``plan_dp_balance``), in ``_moved_from``
-    order, in the form sent over the wire."""
-    return [_to_wire(minibatches[m][i]) for m, i in _moved_from(plan, rank)]
+def outgoing_samples(plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]]) -> list[list[dict]]:
+    """Per rank r, this rank's samples that r trains under ``plan`` (``plan_dp_balance``), in
+    ``_moves`` order, in the form sent over the wire; none for this rank itself."""
+    return [
+        [] if dest == rank else [_to_wire(minibatches[m][i]) for m, i in _moves(plan, rank, dest)]
+        for dest in range(len(plan[0]))
+    ]
 
 
 def assemble_minibatches(
-    plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]], gathered: list[list[dict]]
+    plan: list[list[list[SampleKey]]], rank: int, minibatches: list[list[Sample]], received: list[list[dict]]
 ) -> list[list[Sample]]:
     """This rank's samples of every mini-batch under ``plan``, in global order: the ones it keeps
-    from ``minibatches`` (its own) and the ones other ranks sent (``gathered[s]``: rank s's
-    ``outgoing_samples``)."""
-    received: dict[tuple[int, int, int], dict] = {}
-    for source, samples in enumerate(gathered):
+    from ``minibatches`` (its own) and the ones other ranks sent it (``received[s]``: what rank
+    s's ``outgoing_samples`` addressed to this rank)."""
+    arrived: dict[tuple[int, int, int], dict] = {}
+    for source, samples in enumerate(received):
         if source != rank:
-            moved = _moved_from(plan, source)
+            moved = _moves(plan, source, rank)
             assert len(moved) == len(samples), (source, len(moved), len(samples))
-            received.update({(m, source, i): fields for (m, i), fields in zip(moved, samples)})
+            arrived.update({(m, source, i): fields for (m, i), fields in zip(moved, samples)})
     return [
-        [minibatches[m][i] if source == rank else _from_wire(received[(m, source, i)]) for source, i in ranks[rank]]
+        [minibatches[m][i] if source == rank else _from_wire(arrived[(m, source, i)]) for source, i in ranks[rank]]
         for m, ranks in enumerate(plan)
     ]
 
@@ -346,37 +346,35 @@ def balance_over_data_parallel(
     balance: bool,
     max_tokens: int = 0,
     max_patches: int | None = None,
+    cost_model: CostModel = DEFAULT_COST_MODEL,
 ) -> tuple[list[list[Sample]], dict]:
     """This rank's samples of every mini-batch after compute balancing (``plan_dp_balance``) over
     the ``batch`` mesh for micro-batches of ``max_tokens`` tokens (and, for a vision-language
-    model, ``max_patches`` vision patches; None: a text model), and the step's imbalance stats
-    (computed with balancing off too).
+    model, ``max_patches`` vision patches; None: a text model) by the model's ``cost_model``,
+    and the step's imbalance stats (computed with balancing off too).
 
-    Two host collectives per step, all mini-batches at once: an object all-gather of the sample
+    Host collectives per step, all mini-batches at once: an object all-gather of the sample
     lengths (a few ints per sample; every rank then derives the same plan), then, only when
-    some sample moves, an object all-gather of the moving samples alone (samples that stay are
-    never sent). gloo has no object all-to-all: every rank receives every mover, (ranks - 1)
-    times the bytes of a point-to-point exchange, at a few KiB per sample (tokens and per-token
-    floats) still small next to the update's compute, for one collective instead of a pairwise
-    schedule. CP / TP peers hold identical samples, so each of their ``batch`` groups computes
-    the same plan and exchanges the same copies.
+    some sample moves, an all-to-all (``all_to_all_objects``) that takes each moving sample to
+    the rank that trains it and nowhere else: a rank receives only samples it trains, and
+    samples that stay are never sent. CP / TP peers hold identical samples, so each of their
+    ``batch`` groups computes the same plan and exchanges the same copies.
     """
     local = [[len(sample) for sample in mb] for mb in minibatches]
     local_patches = None if max_patches is None else [[sample.num_patches for sample in mb] for mb in minibatches]
     if batch_mesh is None:
         patches = None if local_patches is None else [local_patches]
-        return minibatches, plan_dp_balance([local], balance, max_tokens, patches, max_patches or 0)[1]
+        return minibatches, plan_dp_balance([local], balance, max_tokens, patches, max_patches or 0, cost_model)[1]
     sizes: list = [None] * batch_mesh.size()
     dist.all_gather_object(sizes, (local, local_patches), group=batch_mesh.get_group())
     lengths = [rank_lengths for rank_lengths, _ in sizes]
     patches = None if max_patches is None else [rank_patches for _, rank_patches in sizes]
-    plan, stats = plan_dp_balance(lengths, balance, max_tokens, patches, max_patches or 0)
-    if not any(_moved_from(plan, source) for source in range(len(lengths))):
+    plan, stats = plan_dp_balance(lengths, balance, max_tokens, patches, max_patches or 0, cost_model)
+    if all(source == dest for ranks in plan for dest, keys in enumerate(ranks) for source, _ in keys):
         return minibatches, stats  # every rank knows that nothing moves: no second collective
     rank = batch_mesh.get_local_rank()
-    gathered: list = [None] * batch_mesh.size()
-    dist.all_gather_object(gathered, outgoing_samples(plan, rank, minibatches), group=batch_mesh.get_group())
-    return assemble_minibatches(plan, rank, minibatches, gathered), stats
+    received = all_to_all_objects(outgoing_samples(plan, rank, minibatches), batch_mesh)
+    return assemble_minibatches(plan, rank, minibatches, received), stats
 
 
 # Sums over the step's rollouts, reduced over the `batch` mesh (peers hold copies: never summed).
@@ -485,9 +483,10 @@ def rollout_metrics(
     if "masked_truncated" in total:
         out["rl/masked_truncated"] = total["masked_truncated"]
     if "turns" in total:
-        # Multi-turn episodes: every observation appended answered a call of the policy's.
+        # Multi-turn episodes: each turn but the last got an observation appended (whatever the
+        # environment answered: a tool's output, a hint), so turns - 1 per episode.
         out["rl/turns_mean"] = total["turns"] / n
-        out["rl/tool_calls_mean"] = (total["turns"] - total["num_rollouts"]) / n
+        out["rl/observations_mean"] = (total["turns"] - total["num_rollouts"]) / n
         out["rl/episode_tokens_mean"] = total["episode_tokens"] / n
         out["rl/observation_tokens_mean"] = total["observation_tokens"] / n
         out["rl/episodes_truncated"] = total["episodes_truncated"] / n

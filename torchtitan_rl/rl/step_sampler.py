@@ -1,9 +1,11 @@
 """A step's rollouts from a task's prompts: generation, rewards, advantages and dynamic sampling.
 
 The same code runs wherever rollouts are made. Colocated, every training rank samples its own
-prompt slots (its CP / TP peers split the work) and dynamic sampling gathers the groups with
-signal over the ``batch`` mesh. With rollout ranks, those ranks sample every slot of the step
-among themselves (their ``rollout`` mesh plays the peers) and send the result to the trainers.
+prompt slots (its CP / TP peers split the work), dynamic sampling shares which groups have
+signal over the ``batch`` mesh and moves each kept group to the rank that trains it, and the
+rollout metrics are reduced over that mesh. With rollout ranks, those ranks sample every slot
+of the step among themselves (their ``rollout`` mesh plays the peers) and send the result to
+the trainers.
 Either way a rollout's randomness is keyed by (seed, step, candidate index, sample) alone, so
 the step's rollouts do not depend on who generates them.
 """
@@ -12,11 +14,13 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.tokenizer import Tokenizer
-from torchtitan_rl.rl.dynamic_sampling import gather_groups_with_signal, round_offset, select_groups_with_signal
+from torchtitan_rl.distributed.utils import failures_shared
+from torchtitan_rl.rl.dynamic_sampling import SignalExchange, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner, decode_completion
 from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import shape_overlong
@@ -25,7 +29,10 @@ from torchtitan_rl.rl.rollouts import (
     ScoredGroup,
     exchange_among_peers,
     generate_share,
+    is_truncated,
     is_zero_variance,
+    rollout_metrics,
+    rollout_sums,
     score_groups,
 )
 from torchtitan_rl.rl.tasks import Reward, Task
@@ -35,9 +42,10 @@ from torchtitan_rl.rl.tasks import Reward, Task
 class SampledStep:
     """What a step's sampling produced on this rank."""
 
-    generated: list[ScoredGroup]  # every group generated (of every dynamic sampling round), trained or not
     kept: list[ScoredGroup]  # the groups to train, of the slots asked for
-    values: dict[str, float] = field(default_factory=dict)  # rl/dynamic_sampling/* of the step
+    # rl/* of the step: the rollout metrics of every group generated (of every round, trained or
+    # not) over the ``batch`` mesh, rl/dynamic_sampling/*
+    values: dict[str, float] = field(default_factory=dict)
     num_generated: int = 0  # tokens this rank generated
 
 
@@ -71,41 +79,65 @@ class StepSampler:
         slots: list[int],
         batch_mesh: DeviceMesh | None,
         peer_mesh: DeviceMesh | None,
+        group: dist.ProcessGroup | None,
         times: dict[str, float],
         warn: bool = False,
     ) -> SampledStep:
         """The groups of ``slots`` to train at ``step`` (this rank's share of the ``batch``
-        mesh), every group generated for them, and the tokens this rank generated. ``peer_mesh``
+        mesh), the step's rollout metrics and the tokens this rank generated. ``peer_mesh``
         splits the generation of ``slots`` and exchanges the rollouts; with dynamic sampling
-        the groups with signal are gathered over ``batch_mesh`` after every round."""
+        the ranks of ``batch_mesh`` share which groups have signal after every round, and each
+        kept group goes to the rank that trains it (``SignalExchange``). ``group``:
+        every rank that samples the step, which all stop when the generation or the reward
+        fails on one of them (``failures_shared``; None: this rank alone)."""
         rl = self.rl
-        out = SampledStep([], [])
+        out = SampledStep([])
+        generated: list[ScoredGroup] = []
 
         def draw_round(round_index: int) -> list[ScoredGroup]:
-            groups, num_tokens = self._sample_round(step, round_index, slots, peer_mesh, times)
-            out.generated.extend(groups)
+            groups, num_tokens = self._sample_round(step, round_index, slots, peer_mesh, group, times)
+            generated.extend(groups)
             out.num_generated += num_tokens
             return groups
 
         if rl.dynamic_sampling:
+            exchange = SignalExchange(slots, batch_mesh)
 
-            def draw_whole_round(round_index: int) -> list[ScoredGroup]:
+            def draw_whole_round(round_index: int) -> list[int]:
                 groups = draw_round(round_index)
                 with timed(times, "signal_exchange"):
-                    return gather_groups_with_signal(groups, batch_mesh)
+                    return exchange.round_with_signal(groups)
 
             selection = select_groups_with_signal(draw_whole_round, rl.prompts_per_step, rl.max_sampling_rounds, warn)
-            mine = set(slots)
-            out.kept = [g for g in selection.groups if g.slot in mine]
+            with timed(times, "signal_exchange"):
+                out.kept = exchange.trained_groups(selection)
             out.values["rl/dynamic_sampling/rounds"] = float(selection.num_rounds)
             out.values["rl/dynamic_sampling/groups_with_signal"] = float(selection.num_with_signal)
         else:
             groups = draw_round(0)
             out.kept = [g for g in groups if not (rl.filter_zero_variance_groups and is_zero_variance(g))]
+        out.values.update(self._rollout_metrics(generated, out.kept, batch_mesh))
         return out
 
+    def _rollout_metrics(
+        self, generated: list[ScoredGroup], kept: list[ScoredGroup], batch_mesh: DeviceMesh | None
+    ) -> dict[str, float]:
+        """The ``rl/*`` rollout metrics of every group generated, trained or not (collective over
+        ``batch_mesh``)."""
+        rl = self.rl
+        filtering = rl.dynamic_sampling or rl.filter_zero_variance_groups
+        num_filtered = sum(is_zero_variance(g) for g in generated) if filtering else 0
+        masked = sum(is_truncated(r) for g in kept for r in g.rollouts) if rl.mask_truncated else None
+        return rollout_metrics(*rollout_sums(generated, num_filtered, masked), batch_mesh)
+
     def _sample_round(
-        self, step: int, round_index: int, slots: list[int], peer_mesh: DeviceMesh | None, times: dict
+        self,
+        step: int,
+        round_index: int,
+        slots: list[int],
+        peer_mesh: DeviceMesh | None,
+        group: dist.ProcessGroup | None,
+        times: dict,
     ) -> tuple[list[ScoredGroup], int]:
         """Round ``round_index`` of the step on the stream's next prompts: the scored groups of
         ``slots`` (a group's slot is its candidate index, ``round_offset`` + slot) and the
@@ -118,7 +150,9 @@ class StepSampler:
             problems = {offset + slot: self.task.train_problems[i] for slot, i in enumerate(problem_ids)}
             engine = self.episode_runner(problems)
         self.generator.take_phase_seconds()  # drop what an evaluation spent since the last round
-        with timed(times, "generate"):
+        # Episodes run the environment's code and the exchange waits for every peer: agree first
+        # (untimed: the agreement waits for the slowest rank).
+        with failures_shared(group), timed(times, "generate"):
             local = generate_share(
                 engine,
                 [self.prompts[i] for i in problem_ids],
@@ -137,7 +171,7 @@ class StepSampler:
                 times[f"generate_{phase}"] = times.get(f"generate_{phase}", 0.0) + seconds
         with timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
-        with timed(times, "reward"):
+        with failures_shared(group), timed(times, "reward"):
             rewards = [self.reward(problem_ids[r.prompt_index - offset], r) for r in rollouts]
             groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
         return groups, sum(len(r.completion_tokens) for r in local)

@@ -27,6 +27,13 @@ class NoStep:
         return []
 
 
+class ResetRaises(Echo):
+    """A bug of its own: a ValueError, which train.py shows with its traceback."""
+
+    def reset(self):
+        return [{"role": "user", "content": f"Say {int(self.problem.source)}"}]
+
+
 class NeedsTwoArguments(Echo):
     def __init__(self, problem, difficulty):
         super().__init__(problem)

@@ -2,6 +2,7 @@
 test_rl_plugins.py (``sort_digits`` is the README's worked example), and broken ones whose
 errors must name the function and the problem."""
 
+import os
 from types import SimpleNamespace
 
 from torchtitan_rl.rl.tasks import Problem
@@ -18,6 +19,17 @@ def length_and_stop(problem, completion, stopped):
 
 def raises(problem, completion, stopped):
     return 1 / 0
+
+
+def raises_value_error(problem, completion, stopped):
+    raise ValueError(f"no score for {completion!r}")
+
+
+def raises_on_one_rank(problem, completion, stopped):
+    """A KeyError on the launch's rank ``FAILING_RANK`` (test_train.py), 0 on the others."""
+    rank = os.environ.get("RANK")
+    scores = {"other ranks": 0.0}
+    return scores[f"rank {rank}" if rank == os.environ["FAILING_RANK"] else "other ranks"]
 
 
 def returns_nan(problem, completion, stopped):

@@ -202,6 +202,22 @@ class Qwen3ModelArgs:
             if size % tp != 0:
                 raise name.error(f"{name(key)}={size} is not divisible by parallelism.tensor_parallel_degree={tp}")
 
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs (2 per multiply-add) of one token through the weight matrices: every
+        layer's attention projections and SwiGLU (an MoE layer's router and its top-k experts'
+        SwiGLUs), and the output head. The data-parallel cost model's unit (``data.balance``)."""
+        attention = 2 * self.dim * self.head_dim * 2 * (self.n_heads + self.n_kv_heads)  # wq, wo; wk, wv
+        dense = 2 * 3 * self.dim * self.hidden_dim
+        routed = 2 * self.dim * (self.num_experts + 3 * self.num_experts_per_tok * self.moe_hidden_dim)
+        num_moe = len(self.moe_layers)
+        mlps = (self.n_layers - num_moe) * dense + num_moe * routed
+        return self.n_layers * attention + mlps + 2 * self.dim * self.vocab_size
+
+    def attention_flops_per_pair(self) -> int:
+        """Forward FLOPs of one (query, key) pair, over all layers: its score q.k and its share of
+        the weighted sum of values, 2 * head_dim each per head."""
+        return self.n_layers * 4 * self.n_heads * self.head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         """HF Qwen3-MoE's rule: layer ``layer`` holds experts instead of the dense SwiGLU."""
         return (

@@ -75,6 +75,12 @@ class VisionArgs:
                 f"unknown vision attn_backend {self.attn_backend!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}"
             )
 
+    def linear_flops_per_patch(self) -> int:
+        """Forward FLOPs (2 per multiply-add) of one patch through the weight matrices: the patch
+        embedding and every block's attention projections (four dim x dim) and SwiGLU."""
+        block = 2 * (4 * self.dim * self.dim + 3 * self.dim * self.hidden_dim)
+        return 2 * self.patch_dim * self.dim + self.n_layers * block
+
     @property
     def patch_dim(self) -> int:
         """Length of one flattened patch vector, ``num_channels * patch_size**2``."""

@@ -57,6 +57,14 @@ class VLMModelArgs(Qwen3ModelArgs):
         if not isinstance(self.projector_bias, bool):
             raise name.error(f"{name('projector_bias')} must be a bool, got {self.projector_bias!r}")
 
+    def linear_flops_per_patch(self) -> float:
+        """Forward FLOPs of one vision patch: through the vision encoder, then its share of the
+        projector's merged token (merger, linear_1, linear_2); the merged token then costs a
+        text token (``linear_flops_per_token``)."""
+        vision, text, units = self.vision.dim, self.dim, self.spatial_merge_size**2
+        projector = 2 * vision * vision + 2 * (vision * text + text * text) / units
+        return self.vision.linear_flops_per_patch() + projector
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VLMModelArgs":
         """Inverse of ``dataclasses.asdict``, which flattens the nested vision args to a dict."""

@@ -43,6 +43,26 @@ def check_task_name(name: str) -> None:
         )
 
 
+def check_task_settings(rl) -> None:
+    """Which task keys of the ``[rl]`` section ``rl`` go with which task: ``rl.task`` names a task,
+    ``dataset`` reads the files of ``rl.task_path`` (and ``rl.eval_task_path``) and is the one
+    task whose verifier takes ``rl.answer_match``; a factory may read ``rl.task_path``."""
+    check_task_name(rl.task)
+    if rl.task == "dataset" and not rl.task_path:
+        raise ValueError(
+            "rl.task_path: set it to the .jsonl, .json or .parquet file (or directory) of rl.task = 'dataset'"
+        )
+    if rl.task_path and rl.task != "dataset" and not is_import_path(rl.task):
+        raise ValueError(
+            f"rl.task_path: only used with rl.task = 'dataset' or a task factory, but rl.task = {rl.task!r}"
+        )
+    if rl.eval_task_path and rl.task != "dataset":
+        raise ValueError(f"rl.eval_task_path: only used with rl.task = 'dataset', but rl.task = {rl.task!r}")
+    # With rl.reward_fn the config rejects any verifier key.
+    if not rl.reward_fn and rl.answer_match != type(rl)().answer_match and rl.task != "dataset":
+        raise ValueError(f"rl.answer_match: only used with rl.task = 'dataset' ({rl.task!r} matches exactly)")
+
+
 def build_task(
     name: str,
     *,
@@ -112,4 +132,5 @@ __all__ = [
     "VerifiableTask",
     "build_task",
     "check_task_name",
+    "check_task_settings",
 ]

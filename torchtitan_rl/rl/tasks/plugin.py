@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_rl.data.chat import prompt_messages_problem
-from torchtitan_rl.rl.plugins import accepted_keywords, check_callable_with, import_object
+from torchtitan_rl.rl.plugins import (
+    UserCodeError,
+    accepted_keywords,
+    calling_user_code,
+    check_callable_with,
+    import_object,
+)
 from torchtitan_rl.rl.tasks.dataset import row_problem
 from torchtitan_rl.rl.tasks.rewards import OVERLONG_COMPONENT, Reward
 from torchtitan_rl.rl.tasks.task import Problem
@@ -42,11 +48,6 @@ CORRECT_AT = 1.0
 RESERVED_COMPONENTS = ("mean", "std", OVERLONG_COMPONENT)
 _COMPONENT_NAME = re.compile(r"[A-Za-z0-9_]+")
 FACTORY_KEYWORDS = ("seed", "task_path", "num_train_prompts", "num_eval_prompts")
-
-
-class RewardFunctionError(RuntimeError):
-    """A user's reward function raised: the message names the function and the problem, the
-    cause (chained) is the user's exception with its traceback."""
 
 
 def _sample_problem() -> Problem:
@@ -71,7 +72,7 @@ class RewardFunction:
         try:
             value = self.fn(problem, completion, stopped)
         except Exception as err:
-            raise RewardFunctionError(
+            raise UserCodeError(
                 f"{self.key} = {self.path!r} raised {type(err).__name__}: {err} on problem {problem.source} "
                 f"(completion {completion[:200]!r}, stopped={stopped})"
             ) from err
@@ -159,10 +160,8 @@ def load_task(
     accepted = accepted_keywords(factory, FACTORY_KEYWORDS)
     kwargs = offered if accepted is None else {k: v for k, v in offered.items() if k in accepted}
     check_callable_with("rl.task", path, factory, f"factory(<any of {', '.join(FACTORY_KEYWORDS)}>)", **kwargs)
-    try:
+    with calling_user_code(f"rl.task = {path!r}: the task factory"):
         made = factory(**kwargs)
-    except Exception as err:
-        raise RuntimeError(f"rl.task = {path!r}: the task factory raised {type(err).__name__}: {err}") from err
     train = _problems(made, "train_problems", path, required=True)
     evaluation = _problems(made, "eval_problems", path, required=num_eval > 0)
     spare = _problems(made, "spare_problems", path, required=False)

@@ -1,0 +1,33 @@
+"""A run's config, parsed and fully checked before anything is built.
+
+``ConfigManager`` checks each key's type and range and the rules among keys
+(``config/validation.py``) without importing any other part of the package. The rules that need
+a part's facts are stated by that part and run here: the task's keys (``rl.tasks``), the loss's
+options (``losses.loss_fns``), the model's flavors and architecture (``models.config_checks``).
+Every error is a ``ValueError`` naming the key.
+"""
+
+from torchtitan_rl.config import ConfigManager, JobConfig
+from torchtitan_rl.losses.loss_fns import ADVANTAGE_LOSS_FNS, loss_fn_from_config
+from torchtitan_rl.models.config_checks import check_model_config
+from torchtitan_rl.rl.tasks import check_task_settings
+
+
+def parse_job_config(argv: list[str]) -> JobConfig:
+    """The config of a command line (``--help`` prints the keys and exits), every rule checked."""
+    job_config = ConfigManager().parse_args(argv)
+    check_job_config(job_config)
+    return job_config
+
+
+def check_job_config(cfg: JobConfig) -> None:
+    """The rules on a parsed ``cfg`` that need the facts of the parts it configures."""
+    if cfg.job.recipe == "grpo":
+        if cfg.loss.loss_fn not in ADVANTAGE_LOSS_FNS:
+            raise ValueError(
+                f"loss.loss_fn: job.recipe = 'grpo' trains on advantages; choose one of "
+                f"{', '.join(ADVANTAGE_LOSS_FNS)}, not {cfg.loss.loss_fn!r}"
+            )
+        check_task_settings(cfg.rl)
+    loss_fn_from_config(cfg.loss)
+    check_model_config(cfg)
