@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # The test command of the README (and of CI): sets up ./.venv, then runs the whole suite.
-# Extra arguments go to pytest (e.g. -k layout, -x).
+# Extra arguments go to pytest (e.g. -k layout, -x). `--quick` first runs the inner-loop subset
+# instead: the unit tests without the inductor compiles (single process, a few minutes).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS=test bash "$root/scripts/ensure_env.sh"
 cd "$root"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 set +e
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  set -- tests/unit --ignore=tests/unit/test_compile.py "$@"
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 status=$?
 set -e
