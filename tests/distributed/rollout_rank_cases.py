@@ -269,6 +269,8 @@ def run_weight_memory(results: dict) -> None:
         generator = TorchGenerator(MEMORY_ARGS, cpu)
         receiver = WeightReceiver(topology, generator, cpu)
         receiver.receive(0)
-        receiver.receive(1)
-        mine = {"role": "rollout", "weights": {name: p.clone() for name, p in generator.model.named_parameters()}}
+        with HeldBytesMode() as mode:
+            receiver.receive(1)
+        weights = {name: p.clone() for name, p in generator.model.named_parameters()}
+        mine = {"role": "rollout", "weights": weights, "peak_bytes": mode.peak}
     results["rollout_ranks/weight_memory"] = gather_to_all(mine)

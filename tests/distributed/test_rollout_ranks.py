@@ -175,7 +175,8 @@ def expert_parallel_reference_weights() -> dict:
 
 def test_a_weight_send_holds_two_buckets_on_rank_0_and_one_parameter_on_the_others(layout_results):
     """FSDP trainers, a model of several buckets: what each holds at most during a send (the
-    tensors it created and still references), against the model's bytes."""
+    tensors it created and still references), against the model's bytes; a rollout rank holds
+    the one bucket arriving."""
     ranks = layout_results[4]["rollout_ranks/weight_memory"]
     model = Qwen3Model(cases.MEMORY_ARGS)
     model.init_weights(lc.SEED)
@@ -194,6 +195,8 @@ def test_a_weight_send_holds_two_buckets_on_rank_0_and_one_parameter_on_the_othe
         assert rank["weights"].keys() == reference.keys()
         for name, value in reference.items():
             assert torch.equal(rank["weights"][name], 2 * value), name
+        # A rollout rank: the bucket arriving, taken into the replica before the next one.
+        assert rank["peak_bytes"] <= cases.MEMORY_BUCKET_BYTES, rank["peak_bytes"]
 
 
 def test_waits_outlast_a_warm_up_and_a_save_longer_than_the_silent_peer_timeout(layout_results):

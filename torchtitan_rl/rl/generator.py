@@ -40,7 +40,7 @@ other batch shapes, which can only matter when a uniform falls within rounding o
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -361,7 +361,23 @@ class TorchGenerator:
                 f"{len(names)} tensors: missing {sorted(set(names) - set(tensors))}, unexpected "
                 f"{sorted(set(tensors) - set(names))}"
             )
-        num_bytes = sum(self._take(name, tensors[name]) for name in names)
+        return self.load_weight_stream(((name, tensors[name]) for name in names), version)
+
+    def load_weight_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """``load_weights`` for tensors that arrive one after the other, in ``next_sync``'s
+        order: each is taken as it comes, so the caller can free what carried it (a rollout
+        rank's broadcast bucket) before the next arrives and never holds the model twice."""
+        names = [name for name, _ in self.next_sync()]
+        num_bytes = num_taken = 0
+        for name, value in named_tensors:
+            if num_taken == len(names) or name != names[num_taken]:
+                expected = names[num_taken] if num_taken < len(names) else "nothing more"
+                raise ValueError(f"a weight sync takes next_sync's tensors in order: expected {expected}, got {name}")
+            num_bytes += self._take(name, value)
+            num_taken += 1
+            del value  # before the next arrives: the caller may free its buffer then
+        if num_taken != len(names):
+            raise ValueError(f"a weight sync ended after {num_taken} of its {len(names)} tensors")
         self._finish(version)
         return num_bytes
 
@@ -370,7 +386,8 @@ class TorchGenerator:
         (an adapter, an adapted layer's base); its bytes in the replica's dtype."""
         dtype = self.model.output.weight.dtype
         if is_adapter_key(name):
-            self._pending[name] = value.to(self.device, dtype)
+            # A copy: ``value`` may be a view of a buffer the caller frees after this call.
+            self._pending[name] = value.to(self.device, dtype, copy=True)
         elif (module := name.removesuffix(".weight")) in self._adapted:
             self._bases[module] = value.to(self.device, dtype, copy=True)
         else:

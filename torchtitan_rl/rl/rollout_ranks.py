@@ -317,13 +317,17 @@ class WeightReceiver:
         self.topology.wait(dist.broadcast(header, src=0, group=group, async_op=True), what)
         check_weights_header(header.tolist(), weights_header(version, not self.generator.is_loaded, names, shapes))
         numels = [shape.numel() for shape in shapes]
-        tensors = {}
-        for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
-            flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
-            self.topology.wait(dist.broadcast(flat, src=0, group=group, async_op=True), what)
-            for i, part in zip(bucket, flat.split([numels[i] for i in bucket])):
-                tensors[names[i]] = part.view(shapes[i])
-        return self.generator.load_weights(tensors, version)
+
+        def arrivals():
+            # One bucket at a time: the replica takes its tensors before the next one arrives.
+            for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
+                flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
+                self.topology.wait(dist.broadcast(flat, src=0, group=group, async_op=True), what)
+                for i, part in zip(bucket, flat.split([numels[i] for i in bucket])):
+                    yield names[i], part.view(shapes[i])
+                del flat, part
+
+        return self.generator.load_weight_stream(arrivals(), version)
 
 
 # ------------------------------------------------------------------ the training ranks' side
