@@ -1,11 +1,11 @@
-"""The multi-turn tool recipe end to end (``train_configs/debug_tool_grpo.toml``, 2 gloo ranks):
-after its warm-up the policy calls the calculator sometimes; a few RL steps make it call the tool
-on nearly every problem, the mean reward rises, and held-out greedy pass@1 (evaluated at step 0,
-before RL, and at the last step) rises with it: the habit carries over to problems the policy
-never trained on. Margins calibrated in docs/benchmarks/tool_grpo.md: the recipe's 900 warm-up
-steps gain 0.55-0.60 in reward and 0.78-0.86 in held-out pass@1 over 3 seeds; to fit the suite's
-time the test warms up for 600 steps, which works for its seed 42 (reward 0.40 over steps 1-3 ->
-0.80 over steps 8-10, held-out 0.16 -> 0.94 at step 10) but not for every seed (the page's notes)."""
+"""The multi-turn tool recipe end to end (``train_configs/debug_tool_grpo.toml`` as it ships, its
+whole warm-up, 2 gloo ranks), cut to its first 10 RL steps: after the warm-up the policy calls the
+calculator sometimes; RL makes it call the tool on nearly every problem, the mean reward rises, and
+held-out greedy pass@1 (evaluated at step 0, before RL, and at step 10) rises with it: the habit
+carries over to problems the policy never trained on. The margins are well under what this
+configuration gained over its first 10 steps on every seed measured (reward over steps 1-3 ->
+steps 8-10 +0.41 and +0.44, held-out pass@1 +0.80 and +0.58, seeds 42 and 1;
+docs/benchmarks/tool_grpo.md), and far above what a policy that does not learn shows."""
 
 import subprocess
 import sys
@@ -16,8 +16,7 @@ from torchtitan_rl.tensorboard_io import read_scalars
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 10
-WARMUP_STEPS = 600
-REWARD_MARGIN, PASS_MARGIN = 0.15, 0.10
+REWARD_MARGIN, PASS_MARGIN = 0.25, 0.30
 
 
 def test_the_policy_learns_to_call_the_calculator_and_generalizes(tmp_path):
@@ -34,15 +33,13 @@ def test_the_policy_learns_to_call_the_calculator_and_generalizes(tmp_path):
         str(STEPS),
         "--rl.eval_interval",
         str(STEPS),
-        "--rl.sft_warmup_steps",
-        str(WARMUP_STEPS),
         "--job.dump_folder",
         str(tmp_path),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     scalars = read_scalars(str(tmp_path / "tb"))
-    reward, calls, held_out = scalars["rl/reward_mean"], scalars["rl/tool_calls_mean"], scalars["eval/pass@1"]
+    reward, calls, held_out = scalars["rl/reward_mean"], scalars["rl/observations_mean"], scalars["eval/pass@1"]
     first = sum(reward[s] for s in (1, 2, 3)) / 3
     last = sum(reward[s] for s in (STEPS - 2, STEPS - 1, STEPS)) / 3
     assert last > first + REWARD_MARGIN, reward

@@ -44,14 +44,44 @@ def first_fit_decreasing_count(seq_lens, patches, max_tokens, max_patches):
     return len(bins)
 
 
+def balanced_microbatch_costs(seq_lens, patches, max_tokens, max_patches):
+    """The costs of the balanced micro-batch plan of one rank's samples, costliest first, worked
+    out from its rule: as many micro-batches as first-fit-decreasing needs, then the samples
+    spread over them costliest first, each to the cheapest one it fits (the first-fit-decreasing
+    micro-batches if some sample fits none)."""
+    costs = [sample_cost(n, p) for n, p in zip(seq_lens, patches)]
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+
+    def fits(load, i):
+        return (not max_tokens or load[0] + seq_lens[i] <= max_tokens) and (
+            not max_patches or load[1] + patches[i] <= max_patches
+        )
+
+    def place(num_bins, choose):
+        loads, totals = [[0, 0] for _ in range(num_bins)], [0.0] * num_bins
+        for i in order:
+            k = choose([k for k in range(num_bins) if fits(loads[k], i)], totals)
+            if k is None:
+                return None
+            loads[k][0] += seq_lens[i]
+            loads[k][1] += patches[i]
+            totals[k] += costs[i]
+        return totals
+
+    num_bins = first_fit_decreasing_count(seq_lens, patches, max_tokens, max_patches)
+    spread = place(num_bins, lambda fitting, totals: min(fitting, key=lambda k: (totals[k], k)) if fitting else None)
+    first_fit = place(num_bins, lambda fitting, totals: fitting[0])
+    return sorted(spread if spread is not None else first_fit, reverse=True)
+
+
 def step_cost(seq_lens, patches, assignment, max_tokens, max_patches):
     """Σ over positions of the costliest rank's micro-batch, each rank planned balanced."""
-    per_rank = []
-    for indices in assignment:
-        plan = plan_microbatches(
-            [seq_lens[i] for i in indices], max_tokens, [patches[i] for i in indices], max_patches, balanced=True
+    per_rank = [
+        balanced_microbatch_costs(
+            [seq_lens[i] for i in indices], [patches[i] for i in indices], max_tokens, max_patches
         )
-        per_rank.append([sum(sample_cost(seq_lens[indices[j]], patches[indices[j]]) for j in g) for g in plan])
+        for indices in assignment
+    ]
     depth = max(map(len, per_rank))
     return sum(max(costs[k] if k < len(costs) else 0.0 for costs in per_rank) for k in range(depth))
 

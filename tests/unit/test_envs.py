@@ -212,3 +212,42 @@ def test_the_warm_up_mixes_environment_demonstrations_and_direct_answers():
     for row in rows:
         assert row["messages"][-1]["content"] in {p.answer for p in problems}
         tokenize_row(row, tokenizer)  # every row is a valid SFT row
+
+
+def test_the_warm_up_trains_on_demonstrations_alone_for_its_first_steps(tmp_path, monkeypatch):
+    """rl.sft_warmup_demonstration_steps: those first steps draw rows that all call the tool,
+    the later ones the rl.sft_warmup_demonstrations mix; more of them than warm-up steps, or
+    an environment without demonstrations, is a config error naming the key."""
+    from pathlib import Path
+
+    from torchtitan_rl.config import ConfigManager
+    from torchtitan_rl.recipes import grpo
+
+    drawn = []
+    real_loader = grpo.build_sft_dataloader
+
+    def recording_loader(rows, *args, **kwargs):
+        demonstrations = sum(any(m["role"] == "tool" for m in row["messages"]) for row in rows) / len(rows)
+        for batch in real_loader(rows, *args, **kwargs):
+            drawn.append(round(demonstrations, 1))
+            yield batch
+
+    monkeypatch.setattr(grpo, "build_sft_dataloader", recording_loader)
+
+    def config(*args: str, recipe: str = "debug_tool_grpo.toml"):
+        recipe = Path(__file__).resolve().parents[2] / "train_configs" / recipe
+        return ConfigManager().parse_args(
+            ["--job.config_file", str(recipe), "--job.dump_folder", str(tmp_path), "--metrics.enable_tensorboard",
+             "false", "--rl.eval_interval", "0", "--rl.sft_warmup_batch_size", "2", *args]
+        )  # fmt: skip
+
+    recipe = grpo.GRPORecipe(config("--rl.sft_warmup_steps", "5", "--rl.sft_warmup_demonstration_steps", "3"))
+    recipe.setup()
+    recipe.close()
+    assert drawn == [1.0, 1.0, 1.0, 0.3, 0.3]
+    with pytest.raises(ValueError, match=r"rl.sft_warmup_demonstration_steps=6 exceeds rl.sft_warmup_steps=5"):
+        grpo.GRPORecipe(config("--rl.sft_warmup_steps", "5", "--rl.sft_warmup_demonstration_steps", "6"))
+    with pytest.raises(ValueError, match=r"rl.sft_warmup_demonstration_steps=1: no rl.env to demonstrate"):
+        grpo.GRPORecipe(
+            config("--rl.sft_warmup_steps", "2", "--rl.sft_warmup_demonstration_steps", "1", recipe="debug_grpo.toml")
+        )

@@ -4,7 +4,8 @@ rank d arrives at d as the s-th entry, as ``all_to_all_objects`` delivers it.
 
 Checked: every sample of a mini-batch is trained by exactly one rank, each rank's samples keep
 the global (slot, sample) order, a rank receives only the samples it trains from another rank
-(no byte of any other), the plan depends on the lengths alone, balancing lowers the
+(no byte of any other), the plan depends on the lengths alone (and, without micro-batch
+budgets, is the longest-processing-time split worked out here by hand), balancing lowers the
 slowest rank's cost on skewed rollouts (the logged imbalance recomputed here from what each rank
 ends up holding), and with balancing off, or already even shares, nothing moves.
 """
@@ -14,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from torchtitan_rl.data.balance import assign_to_ranks, sample_cost
+from torchtitan_rl.data.balance import sample_cost
 from torchtitan_rl.rl.generator import Rollout
 from torchtitan_rl.rl.rollouts import (
     assemble_minibatches,
@@ -128,15 +129,30 @@ def test_every_sample_trained_once_in_global_order_and_more_even(data):
     assert stats["dp_cost_imbalance"] < min(1.1, stats["dp_cost_imbalance_contiguous"] - 0.2), stats
 
 
-def test_plan_is_the_cost_assignment_of_the_global_order():
+def longest_processing_time(costs: list[float], num_ranks: int) -> list[list[int]]:
+    """By hand, the split without micro-batch budgets: costliest sample first (ties: global
+    order), each to the bin with the least cost so far (ties: the lower bin); the costliest bin
+    to rank 0, the next to rank 1, ... (ties: the bin with the lower first index)."""
+    bins, loads = [[] for _ in range(num_ranks)], [0.0] * num_ranks
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        k = min(range(num_ranks), key=lambda k: (loads[k], k))
+        bins[k].append(i)
+        loads[k] += costs[i]
+    return [sorted(bins[k]) for k in sorted(range(num_ranks), key=lambda k: (-loads[k], min(bins[k], default=0)))]
+
+
+def test_plan_is_the_longest_processing_time_split_of_the_global_order():
     lengths = [[[len(s) for s in mb] for mb in minibatches] for minibatches in rank_minibatches(SKEWED)]
     plan, _ = plan_dp_balance(lengths, True)
     assert plan_dp_balance(copy.deepcopy(lengths), True)[0] == plan  # a function of the lengths alone
     for m, ranks in enumerate(plan):
         keys = [(r, i) for r in range(3) for i in range(len(lengths[r][m]))]  # rank 0's slots first
+        costs = [sample_cost(lengths[r][m][i]) for r, i in keys]
         own = [[g for g, (r, _) in enumerate(keys) if r == rank] for rank in range(3)]
-        expected = assign_to_ranks([lengths[r][m][i] for r, i in keys], 3, fallback=own)
-        assert expected != own
+        expected = longest_processing_time(costs, 3)
+        # One micro-batch per rank: the step costs its slowest rank; the own shares are kept unless slower.
+        slowest = [max(sum(costs[i] for i in share) for share in split) for split in (expected, own)]
+        assert slowest[0] < slowest[1]
         assert ranks == [[keys[i] for i in indices] for indices in expected]
 
 

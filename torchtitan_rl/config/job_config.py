@@ -568,6 +568,14 @@ class RL:
     way (its demonstration(problem), e.g. calling the calculator); the others answer at once. Below
     1 the warm-up teaches the format and leaves RL to find when the environment's way pays."""
 
+    sft_warmup_demonstration_steps: int = bounded(0, ge=0)
+    """With rl.env: the first this many of the rl.sft_warmup_steps train on demonstrations only
+    (every row solved the environment's way), the rest on the rl.sft_warmup_demonstrations mix.
+    A skill the demonstrations teach, like copying a tool's result into the answer, is then
+    learned without direct answers to the same questions competing for those tokens; the mix
+    after it sets how often the policy takes the environment's way. At most rl.sft_warmup_steps;
+    needs an rl.env with a demonstration(problem)."""
+
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: after the step's rl.prompts_per_step prompts, draw further rounds
     of as many prompts from the stream until the step has rl.prompts_per_step groups with

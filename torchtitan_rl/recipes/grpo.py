@@ -232,7 +232,7 @@ class GRPORecipe(Recipe):
         """SFT on answered problems of the task that are neither RL nor held-out prompts, with a
         throw-away AdamW, so RL starts from a policy that earns rewards sometimes."""
         cfg = self.job_config
-        rl, o, t = cfg.rl, cfg.optimizer, cfg.training
+        rl, o = cfg.rl, cfg.optimizer
         optimizer = build_optimizer(
             self.engine.model, rl.sft_warmup_lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.implementation
         )
@@ -247,12 +247,33 @@ class GRPORecipe(Recipe):
             options=options,
             autocast_dtype=self.engine.autocast_dtype,
         )
-        loader = iter(
+        problems = self._warmup_problems()
+        # With rl.sft_warmup_demonstration_steps, demonstrations alone first: what they teach (e.g.
+        # copying a tool's result into the answer) is learned without direct answers to the same
+        # questions competing for those tokens; the mix then sets how often the policy uses it.
+        num_demonstrating = rl.sft_warmup_demonstration_steps
+        demonstrating = self._warmup_loader(self._answered(problems, demonstrations=1.0)) if num_demonstrating else None
+        mixed = self._warmup_loader(self._answered(problems)) if num_demonstrating < rl.sft_warmup_steps else None
+        logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
+        if num_demonstrating:
+            logger.info("SFT warm-up: the first %d steps on %s demonstrations only", num_demonstrating, rl.env)
+        for step in range(1, rl.sft_warmup_steps + 1):
+            loader = demonstrating if step <= num_demonstrating else mixed
+            values = self.metrics.reduce_update(engine.forward_backward(next(loader)), engine.optim_step())
+            if step % cfg.metrics.log_freq == 0 or step == rl.sft_warmup_steps:
+                if self.rank == 0:
+                    logger.info("sft warm-up step: %d  loss: %.5f", step, values["loss_metrics/global_avg_loss"])
+                self.metrics.write_scalars(step, {"sft_warmup/loss": values["loss_metrics/global_avg_loss"]})
+
+    def _warmup_loader(self, rows: list[dict]):
+        cfg = self.job_config
+        t = cfg.training
+        return iter(
             build_sft_dataloader(
-                self._warmup_rows(),
+                rows,
                 self.tokenizer,
                 seq_len=t.seq_len,
-                global_batch_size=rl.sft_warmup_batch_size,
+                global_batch_size=cfg.rl.sft_warmup_batch_size,
                 long_sample_policy="truncate",
                 seed=cfg.debug.seed,
                 batch_rank=self.parallel_dims.batch_rank(),
@@ -263,34 +284,28 @@ class GRPORecipe(Recipe):
                 cost_model=self.engine.options.cost_model,
             )
         )
-        logger.info("SFT warm-up: %d steps on the %s task's answers", rl.sft_warmup_steps, rl.task)
-        for step in range(1, rl.sft_warmup_steps + 1):
-            values = self.metrics.reduce_update(engine.forward_backward(next(loader)), engine.optim_step())
-            if step % cfg.metrics.log_freq == 0 or step == rl.sft_warmup_steps:
-                if self.rank == 0:
-                    logger.info("sft warm-up step: %d  loss: %.5f", step, values["loss_metrics/global_avg_loss"])
-                self.metrics.write_scalars(step, {"sft_warmup/loss": values["loss_metrics/global_avg_loss"]})
 
-    def _warmup_rows(self) -> list[dict]:
+    def _warmup_problems(self) -> tuple:
         rl = self.job_config.rl
         if rl.task not in GENERATED_TASKS:
-            return self._answered(self.task.spare_problems)
+            return self.task.spare_problems
         # Other problems of the built-in task, none of them an RL or held-out prompt: the warm-up
         # teaches the format and some skill, RL still has to find the pool's answers.
         num_rows = min(rl.sft_warmup_steps * rl.sft_warmup_batch_size, _WARMUP_POOL_SIZE)  # the loader repeats them
         extra = build_task(rl.task, num_train=num_rows, num_eval=0, seed=self.job_config.debug.seed + 1)
         taken = {p.prompt_key() for p in (*self.task.train_problems, *self.task.eval_problems)}
-        kept = tuple(p for p in extra.train_problems if p.prompt_key() not in taken)
-        return self._answered(kept)
+        return tuple(p for p in extra.train_problems if p.prompt_key() not in taken)
 
-    def _answered(self, problems) -> list[dict]:
+    def _answered(self, problems, demonstrations: float | None = None) -> list[dict]:
         """SFT rows of ``problems``: their answers, or with an environment that can demonstrate
-        them, whole episodes (its first messages, then the turns that solve the problem)."""
+        them, whole episodes (its first messages, then the turns that solve the problem) for the
+        fraction ``demonstrations`` of them (default rl.sft_warmup_demonstrations)."""
         demonstrate = getattr(self.env_class, "demonstration", None)
         if demonstrate is None:
             return answered_rows(problems)
         rl = self.job_config.rl
-        num_demonstrations = round(rl.sft_warmup_demonstrations * len(problems))  # the loader shuffles
+        fraction = rl.sft_warmup_demonstrations if demonstrations is None else demonstrations
+        num_demonstrations = round(fraction * len(problems))  # the loader shuffles
         rows = answered_rows(problems[num_demonstrations:])
         for problem in problems[:num_demonstrations]:
             with calling_user_code(f"rl.env = {rl.env!r} on {problem.source}: demonstration()"):

@@ -86,6 +86,18 @@ def read_task(run: RunContext) -> TaskData:
     tokenizer = run.tokenizer
     stop_ids = stop_token_ids(tokenizer, generation.stop_tokens)
     env_class = load_environment(rl.env) if rl.env else None
+    if warmup and rl.sft_warmup_demonstration_steps:
+        if rl.sft_warmup_demonstration_steps > rl.sft_warmup_steps:
+            raise ValueError(
+                f"rl.sft_warmup_demonstration_steps={rl.sft_warmup_demonstration_steps} exceeds "
+                f"rl.sft_warmup_steps={rl.sft_warmup_steps}: they are the first steps of the warm-up"
+            )
+        if getattr(env_class, "demonstration", None) is None:
+            raise ValueError(
+                f"rl.sft_warmup_demonstration_steps={rl.sft_warmup_demonstration_steps}: "
+                + (f"rl.env = {rl.env!r} has no demonstration(problem)" if rl.env else "no rl.env to demonstrate")
+                + " to train on; set it to 0"
+            )
     vision = vision_data_config(cfg, model_args_from_config(cfg, run.device, tokenizer))
     planner = RowPlanner(tokenizer, vision) if vision is not None else None
 
