@@ -4,9 +4,9 @@
     .venv/bin/python scripts/benchmark_tool_grpo.py            # rewrites its page and figure
     .venv/bin/python scripts/benchmark_tool_grpo.py --no-write # print only
 
-Every run is the recipe as shipped (900 warm-up steps of which 30 % of the rows are solved with the
-tool, then ``--steps`` RL steps, evaluation every 10 steps and at step 0) on 2 gloo ranks, one run
-per seed. Reported per seed: wall-clock time, the mean reward and tool calls per episode of the
+Every run is the recipe as shipped (its SFT warm-up, demonstrations only and then a mix of
+demonstrations and direct answers, then ``--steps`` RL steps, evaluation every 10 steps and at
+step 0) on 2 gloo ranks, one run per seed. Reported per seed: wall-clock time, the mean reward and tool calls per episode of the
 first and last 5 RL steps, held-out greedy pass@1 at step 0 and at the last step, and turns per
 episode at the end.
 """
@@ -29,7 +29,7 @@ def window(series: dict[int, float], steps) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", default="42,1,2")
+    parser.add_argument("--seeds", default="42,1,2,3,4")
     parser.add_argument("--steps", type=int, default=30)
     add_publish_args(parser, "tool_grpo")
     args = parser.parse_args()

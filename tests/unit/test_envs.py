@@ -241,10 +241,13 @@ def test_the_warm_up_trains_on_demonstrations_alone_for_its_first_steps(tmp_path
              "false", "--rl.eval_interval", "0", "--rl.sft_warmup_batch_size", "2", *args]
         )  # fmt: skip
 
-    recipe = grpo.GRPORecipe(config("--rl.sft_warmup_steps", "5", "--rl.sft_warmup_demonstration_steps", "3"))
+    recipe = grpo.GRPORecipe(
+        config("--rl.sft_warmup_steps", "5", "--rl.sft_warmup_demonstration_steps", "3",
+               "--rl.sft_warmup_demonstrations", "0.5")
+    )  # fmt: skip
     recipe.setup()
     recipe.close()
-    assert drawn == [1.0, 1.0, 1.0, 0.3, 0.3]
+    assert drawn == [1.0, 1.0, 1.0, 0.5, 0.5]
     with pytest.raises(ValueError, match=r"rl.sft_warmup_demonstration_steps=6 exceeds rl.sft_warmup_steps=5"):
         grpo.GRPORecipe(config("--rl.sft_warmup_steps", "5", "--rl.sft_warmup_demonstration_steps", "6"))
     with pytest.raises(ValueError, match=r"rl.sft_warmup_demonstration_steps=1: no rl.env to demonstrate"):
