@@ -283,7 +283,7 @@ def script_of(text: str) -> str:
     for line in text.splitlines():
         if line.startswith("Command: `"):
             for word in line[len("Command: `") :].replace("`", " ").split():
-                if word.startswith("scripts/") and word.endswith(".py"):
+                if word.startswith("scripts/") and word.endswith((".py", ".sh")):
                     return f"`{word}`"
     return "—"
 
@@ -347,15 +347,17 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join(["python", script, *shown])
 
 
-def publish(args: argparse.Namespace, title: str, summary: str, body: list[str]) -> str:
+def publish(args: argparse.Namespace, title: str, summary: str, body: list[str], command: str | None = None) -> str:
     """Print the page; unless ``--no-write``, rewrite ``--page`` keeping its ``## Notes`` (and the
-    index, when the page is one of docs/benchmarks/). Returns the page's text."""
+    index, when the page is one of docs/benchmarks/). ``command`` is the page's command line
+    (default: how this script was called). Returns the page's text."""
     page = args.page
     notes = None
     if os.path.exists(page):
         with open(page, encoding="utf-8") as f:
             notes = notes_of(f.read())
-    text = render_page(title, summary, command_line(), machine_line(), datetime.date.today().isoformat(), body, notes)
+    command = command_line() if command is None else command
+    text = render_page(title, summary, command, machine_line(), datetime.date.today().isoformat(), body, notes)
     print(text)
     if not args.no_write:
         os.makedirs(os.path.dirname(os.path.abspath(page)), exist_ok=True)

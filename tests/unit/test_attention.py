@@ -1,9 +1,15 @@
+import warnings
+
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from torchtitan_rl.distributed.context_parallel import ZigzagLayout
+from torchtitan_rl.models import attention
 from torchtitan_rl.models.attention import (
+    FLEX_BLOCK_SIZE,
     FLEX_MIN_HEAD_DIM,
+    AttentionContext,
     build_attention_context,
     packed_attention,
     resolve_attn_backend,
@@ -386,4 +392,120 @@ def test_non_causal_flex_matches_sdpa_dense_on_cuda():
     (flex_out, flex_grads), (dense_out, dense_grads) = results["flex"], results["sdpa_dense"]
     torch.testing.assert_close(flex_out, dense_out, rtol=2e-4, atol=2e-4)
     for a, b in zip(flex_grads, dense_grads):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)
+
+
+def short_query_subset():
+    """A CP-like share: 40 of 128 keys' tokens as queries, so the keys fill a whole block and
+    the queries do not."""
+    seq_ids, positions = pack([60, 1, 30, 37])
+    rows = torch.randperm(128, generator=torch.Generator().manual_seed(30))[:40]
+    return seq_ids[rows], positions[rows], seq_ids, positions
+
+
+FLEX_PADDING_CASES = {
+    "short_packed": (lambda: (*pack([20, 17, 13]),) * 2, True),
+    "short_packed_non_causal": (lambda: (*pack([20, 17, 13]),) * 2, False),
+    "query_subset_of_whole_block": (short_query_subset, True),
+    "queries_whole_keys_not": (lambda: (*pack([100, 28]), *pack([100, 28, 5])), True),
+    "longer_than_a_block": (lambda: (*pack([130, 1, 77, 300]),) * 2, True),
+    "whole_blocks": (lambda: (*pack([100, 28]),) * 2, True),
+}
+
+
+def padded_mask_by_brute_force(make, causal):
+    """The flex rule over the padded tokens, evaluated at every (query, key) pair, with the
+    unpadded tokens and the padded ones."""
+    q_seq_ids, q_positions, kv_seq_ids, kv_positions = make()
+    padded = attention._pad_for_flex(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
+    mask_mod = attention._flex_mask_mod(*padded, causal)
+    mask = mask_mod(0, 0, torch.arange(padded[0].numel())[:, None], torch.arange(padded[2].numel())[None, :])
+    return (q_seq_ids, q_positions, kv_seq_ids, kv_positions), padded, mask
+
+
+@pytest.mark.parametrize("case", FLEX_PADDING_CASES)
+def test_flex_padding_isolates_fillers(case):
+    """Fillers bring both sides to whole blocks; no real token sees a filler or is seen by one,
+    each filler query sees some key, and among real tokens the mask is the rule itself."""
+    make, causal = FLEX_PADDING_CASES[case]
+    tokens, padded, mask = padded_mask_by_brute_force(make, causal)
+    num_q, num_kv = tokens[0].numel(), tokens[2].numel()
+    for real, padded_tensor in zip(tokens, padded):
+        assert padded_tensor.numel() % FLEX_BLOCK_SIZE == 0
+        assert padded_tensor.numel() - real.numel() <= FLEX_BLOCK_SIZE
+        assert torch.equal(padded_tensor[: real.numel()], real)
+    assert padded[0].numel() == padded[1].numel() and padded[2].numel() == padded[3].numel()
+    assert torch.equal(mask[:num_q, :num_kv], attention._dense_mask(*tokens, causal))
+    assert not mask[:num_q, num_kv:].any() and not mask[num_q:, :num_kv].any()
+    assert mask[num_q:].any(dim=1).all()
+    if num_q % FLEX_BLOCK_SIZE == 0 and num_kv % FLEX_BLOCK_SIZE == 0:
+        assert all(a is b for a, b in zip(tokens, padded))  # nothing to pad: no copy
+
+
+@pytest.fixture
+def eager_flex(monkeypatch):
+    """flex_attention's forward and block masks on the CPU without compiling them, which would
+    take most of a test's time: the same rule and padding, the unfused kernel."""
+    monkeypatch.setattr(attention, "_compiled_flex_attention", lambda: flex_attention)
+    monkeypatch.setattr(attention, "_compiled_create_block_mask", lambda: create_block_mask)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        yield
+
+
+@pytest.mark.parametrize("case", ["short_packed", "queries_whole_keys_not"])
+def test_flex_block_mask_covers_padded_tokens(eager_flex, case):
+    make, causal = FLEX_PADDING_CASES[case]
+    tokens, padded, mask = padded_mask_by_brute_force(make, causal)
+    block_mask = attention._flex_block_mask(*tokens, causal)
+    assert all(length % FLEX_BLOCK_SIZE == 0 for length in block_mask.seq_lengths)
+    assert block_mask.seq_lengths == (padded[0].numel(), padded[2].numel())
+    assert block_mask.BLOCK_SIZE == (FLEX_BLOCK_SIZE, FLEX_BLOCK_SIZE)
+    q_idx, kv_idx = torch.arange(mask.shape[0])[:, None], torch.arange(mask.shape[1])[None, :]
+    assert torch.equal(block_mask.mask_mod(0, 0, q_idx, kv_idx), mask)
+
+
+@pytest.mark.parametrize("case", ["short_packed", "short_packed_non_causal", "query_subset_of_whole_block"])
+def test_padded_flex_forward_matches_sdpa_dense_on_cpu(eager_flex, case):
+    """flex has only a forward on the CPU (the CUDA test below checks gradients too)."""
+    make, causal = FLEX_PADDING_CASES[case]
+    q_seq_ids, q_positions, kv_seq_ids, kv_positions = make()
+    q = random_qkv(q_seq_ids.numel(), head_dim=FLEX_MIN_HEAD_DIM, seed=31)[0].detach()
+    _, k, v = (x.detach() for x in random_qkv(kv_seq_ids.numel(), head_dim=FLEX_MIN_HEAD_DIM, seed=32))
+    flex_context = AttentionContext(
+        "flex",
+        block_mask=attention._flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal),
+        causal=causal,
+    )
+    dense_context = build_attention_context("sdpa_dense", q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal)
+    out = packed_attention(q, k, v, flex_context)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, packed_attention(q, k, v, dense_context), rtol=1e-5, atol=1e-5)
+
+
+SHORT_CUDA_CASES = {
+    "packed_64": (lambda: (*pack([30, 1, 20, 13]),) * 2, True),
+    "packed_64_non_causal": (lambda: (*pack([30, 1, 20, 13]),) * 2, False),
+    "query_subset_of_whole_block": (short_query_subset, True),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", SHORT_CUDA_CASES)
+def test_flex_on_micro_batch_shorter_than_a_block_on_cuda(case):
+    """Micro-batches shorter than one flex block (64 packed tokens, or 40 queries against 128
+    keys): flex forward and backward against sdpa_varlen."""
+    make, causal = SHORT_CUDA_CASES[case]
+    q_seq_ids, q_positions, kv_seq_ids, kv_positions = (x.cuda() for x in make())
+    q = random_qkv(q_seq_ids.numel(), device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=33)[0]
+    _, k, v = random_qkv(kv_seq_ids.numel(), device="cuda", head_dim=FLEX_MIN_HEAD_DIM, seed=34)
+    upstream = torch.randn(q.shape, generator=torch.Generator().manual_seed(35)).cuda()
+    results = {}
+    for backend in ("flex", "sdpa_varlen"):
+        context = build_attention_context(backend, q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal)
+        results[backend] = output_and_grads(lambda *x: packed_attention(*x, context), q, k, v, upstream)
+    (flex_out, flex_grads), (ref_out, ref_grads) = results["flex"], results["sdpa_varlen"]
+    torch.testing.assert_close(flex_out, ref_out, rtol=2e-4, atol=2e-4)
+    for a, b in zip(flex_grads, ref_grads):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-4)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from test_generator import CB_PARAMS, MANY_PROMPTS, noisy_model
 from torchtitan_rl.config.manager import ConfigManager
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -19,6 +20,7 @@ from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.generator import TorchGenerator
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
@@ -162,3 +164,29 @@ def test_compile_settings():
     ):
         with pytest.raises(ValueError, match=fragment):
             ConfigManager().parse_args(argv)
+
+
+def test_compiled_decode_steps_match_eager_with_one_graph_per_bucket(monkeypatch):
+    """generation compile: the decode step compiled per bucket of running rows (8, then the
+    cache's 12 rows) samples the same rollouts as eager decoding, while rows finish and queued
+    prompts refill the cache; a graph per bucket, no more."""
+    counter = CompileCounterWithBackend("inductor")
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(fn, **{**kwargs, "backend": counter}))
+    model = noisy_model(ARGS)
+    rollouts = {}
+    for compile in (False, True):
+        gen = TorchGenerator(ARGS, CPU, max_prompts_per_batch=4, compile=compile)
+        gen.update_weights(model)
+        decoded_rows = []
+        decode = gen.decode
+        gen.decode = lambda tokens, positions, cache: (
+            decoded_rows.append(len(tokens)) or decode(tokens, positions, cache)
+        )
+        rollouts[compile] = gen.generate(MANY_PROMPTS, list(range(7)), 3, CB_PARAMS, 3, 1)
+    assert [r.completion_tokens for r in rollouts[True]] == [r.completion_tokens for r in rollouts[False]]
+    for compiled, eager in zip(rollouts[True], rollouts[False]):
+        torch.testing.assert_close(torch.tensor(compiled.logprobs), torch.tensor(eager.logprobs), rtol=0, atol=1e-5)
+    # Premises: steps of both buckets ran (more than 8 rows, and fewer), and prompts refilled the cache.
+    assert max(decoded_rows) > 8 and min(decoded_rows) < 8
+    assert counter.frame_count == 2

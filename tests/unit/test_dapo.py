@@ -14,7 +14,7 @@ from test_config import assert_error, parse
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.recipes.grpo import GRPORecipe
 from torchtitan_rl.rl.dynamic_sampling import round_offset, route_selected, select_groups_with_signal
-from torchtitan_rl.rl.generator import Rollout, SamplingParams, rollout_seed
+from torchtitan_rl.rl.generator import Rollout, SamplingParams
 from torchtitan_rl.rl.length_shaping import overlong_penalty, shape_overlong
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
@@ -27,6 +27,7 @@ from torchtitan_rl.rl.rollouts import (
     score_groups,
     to_samples,
 )
+from torchtitan_rl.rl.sampling import rollout_seed
 from torchtitan_rl.rl.step_sampler import StepSampler
 from torchtitan_rl.rl.tasks import Reward
 

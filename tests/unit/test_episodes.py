@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from test_generator import ARGS, PROMPTS, generate, generator_for, noisy_model
+from test_generator import ARGS, PROMPTS, brute_force_rows, generate, generator_for, noisy_model, recording_forwards
 from torchtitan_rl.profiling import cpu_memory_timeline
 from torchtitan_rl.rl.episodes import generate_episodes
 from torchtitan_rl.rl.generator import SamplingParams
@@ -70,6 +70,30 @@ def test_the_cache_equals_recomputing_every_episode(model):
     # Premises: several turns happened, and episodes ended for every reason.
     assert max(e.num_turns for e in cached) >= 3
     assert {e.end_reason for e in cached} == {"done", "max_turns", "length"}
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_episodes_through_a_small_cache_equal_each_episode_run_alone(model, kv_cache):
+    """3 prompts x 4 samples through a cache of one prompt's rows: finished episodes leave, the
+    next prompt's samples take their rows, and every episode equals the brute-force one (the
+    whole episode rerun for every token, the row alone)."""
+    gen = generator_for(model, max_prompts_per_batch=1, kv_cache=kv_cache)
+    events = recording_forwards(gen)
+    result = episodes(gen)
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=STOPS)
+    for p, prompt in enumerate(PROMPTS):
+        expected = brute_force_rows(model, prompt, p, 4, params, 5, 2, scripted_respond(), 3, MAX_LEN)
+        for s, (tokens, sampled, logprobs, turns, reason) in enumerate(expected):
+            episode = result[4 * p + s]
+            assert (episode.prompt_index, episode.sample_index) == (p, s)
+            assert episode.tokens == prompt + tokens
+            assert episode.sampled == [False] * len(prompt) + sampled
+            assert (episode.num_turns, episode.end_reason) == (turns, reason)
+            assert episode.logprobs[len(prompt) :] == pytest.approx(logprobs, abs=1e-5)
+    assert max(e.num_turns for e in result) == 3  # premise: several turns
+    if kv_cache:
+        assert [kind for kind, _ in events].count("prefill") == 3
+        assert max(rows for kind, rows in events if kind == "decode") <= 4
 
 
 def test_masks_and_logprobs_line_up_with_what_was_sampled_and_appended(model):

@@ -19,7 +19,8 @@ from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.recipes.base import build_model
-from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator, rollout_seed
+from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
+from torchtitan_rl.rl.sampling import rollout_seed, sample_tokens
 
 CPU = torch.device("cpu")
 ARGS = Qwen3ModelArgs(
@@ -218,6 +219,113 @@ def test_rollouts_are_seeded_by_seed_step_prompt_and_sample():
     # The documented hash, and distinct streams for neighbouring rollouts.
     assert rollout_seed(3, 1, 0, 1) == int.from_bytes(hashlib.sha256(b"3:1:0:1").digest()[:8], "little") & (2**63 - 1)
     assert len({rollout_seed(0, 0, p, s) for p in range(50) for s in range(50)}) == 2500
+
+
+# ---------------------------------------------------------------- continuous batching
+
+
+def brute_force_rows(
+    model,
+    prompt,
+    prompt_index,
+    num_samples,
+    params: SamplingParams,
+    seed,
+    step,
+    respond=None,
+    max_turns=1,
+    max_len=None,
+):
+    """Each sample of ``prompt`` alone, as the generator defines it: the whole sequence so far run
+    through ``model`` for every token, one uniform per token from the row's own stream; after a
+    stop token, ``respond`` (None: the row is done) may append an observation and start a turn.
+    Per row: (tokens after the prompt, their sampled flags, log-probs, turns, end reason)."""
+    max_len = len(prompt) + params.max_new_tokens if max_len is None else max_len
+    rows = []
+    for s in range(num_samples):
+        rng = torch.Generator().manual_seed(rollout_seed(seed, step, prompt_index, s))
+        tokens, sampled, logprobs, turn, turns = list(prompt), [], [], [], 1
+        while True:
+            uniform = torch.rand(1, generator=rng, dtype=torch.float64)
+            token, logprob = sample_tokens(last_logits(model, tokens)[None], params, uniform)
+            tokens.append(int(token))
+            sampled.append(True)
+            logprobs.append(float(logprob))
+            turn.append(int(token))
+            if int(token) not in params.stop_token_ids:
+                if len(turn) < params.max_new_tokens and len(tokens) < max_len:
+                    continue
+                reason = "length"
+                break
+            observation = None if respond is None else respond(prompt_index, s, turn)
+            turn = []
+            if observation is None:
+                reason = "done"
+            elif turns == max_turns:
+                reason = "max_turns"
+            elif len(tokens) + len(observation) >= max_len:
+                reason = "length"
+            else:
+                tokens += observation
+                sampled += [False] * len(observation)
+                logprobs += [0.0] * len(observation)
+                turns += 1
+                continue
+            break
+        rows.append((tokens[len(prompt) :], sampled, logprobs, turns, reason))
+    return rows
+
+
+def recording_forwards(gen: TorchGenerator) -> list[tuple[str, int]]:
+    """(kind, rows) of every prefill and decode step ``gen`` runs from now on, in order."""
+    events = []
+    prefill, decode = gen.prefill, gen.decode
+
+    def recorded_prefill(batch, cache, prompts, first_row):
+        events.append(("prefill", len(prompts) * batch.num_samples))
+        return prefill(batch, cache, prompts, first_row)
+
+    def recorded_decode(tokens, positions, cache):
+        events.append(("decode", len(tokens)))
+        return decode(tokens, positions, cache)
+
+    gen.prefill, gen.decode = recorded_prefill, recorded_decode
+    return events
+
+
+# Prompts of many lengths; with four stop tokens rows stop after 1 to 10 tokens or run to 10.
+MANY_PROMPTS = [[(3 * i + 5 * p + 1) % 64 for i in range(1 + 4 * p % 13)] for p in range(7)]
+CB_PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0, stop_token_ids=(0, 1, 2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_finished_rows_leave_and_queued_prompts_refill_with_the_same_rollouts(kv_cache):
+    """7 prompts x 3 samples through a cache of 2 prompts' rows: each rollout equals its row
+    generated alone (the brute-force reference); each decode step runs on the rows still running
+    (its rows add up to every completion's tokens but the last), never more than the cache holds;
+    prompts are admitted while others' rows are still decoding."""
+    model = noisy_model()
+    gen = generator_for(model, max_prompts_per_batch=2, kv_cache=kv_cache)
+    events = recording_forwards(gen)
+    rollouts = gen.generate(MANY_PROMPTS, list(range(7)), 3, CB_PARAMS, 3, 1)
+    lengths = []
+    for p, prompt in enumerate(MANY_PROMPTS):
+        for s, (tokens, _, logprobs, _, reason) in enumerate(brute_force_rows(model, prompt, p, 3, CB_PARAMS, 3, 1)):
+            rollout = rollouts[3 * p + s]
+            assert (rollout.prompt_index, rollout.sample_index, rollout.prompt_tokens) == (p, s, prompt)
+            assert rollout.completion_tokens == tokens
+            assert rollout.stop_reason == {"done": "stop", "length": "length"}[reason]
+            torch.testing.assert_close(torch.tensor(rollout.logprobs), torch.tensor(logprobs), rtol=0, atol=1e-5)
+            lengths.append(len(tokens))
+    assert len(set(lengths)) >= 4 and max(lengths) == 10 and min(lengths) < 5  # premise: skewed lengths
+    if not kv_cache:
+        return
+    decodes = [rows for kind, rows in events if kind == "decode"]
+    assert sum(decodes) == sum(n - 1 for n in lengths)
+    assert max(decodes) <= 6 and min(decodes) < 6
+    prefills = [i for i, (kind, _) in enumerate(events) if kind == "prefill"]
+    assert sum(events[i][1] for i in prefills) == 21
+    assert any(events[i - 1][0] == "decode" and i < len(events) - 1 for i in prefills)  # a refill mid-way
 
 
 # ---------------------------------------------------------------- stopping

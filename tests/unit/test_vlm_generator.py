@@ -113,6 +113,32 @@ def test_rollouts_do_not_depend_on_the_batch_they_are_generated_in():
     ]
 
 
+@pytest.mark.parametrize("max_prompts_per_batch", [1, 2])
+def test_prompts_admitted_as_rows_finish_bring_their_images(max_prompts_per_batch):
+    """All prompts in one call through a cache of 1 or 2 prompts' rows: each later prompt is
+    prefilled, images and all, into rows that finished rows left, and every rollout equals its
+    prompt generated alone."""
+    model, _ = noisy_model()
+    gen = generator_for(model, max_prompts_per_batch=max_prompts_per_batch)
+    prefills = []
+    prefill = gen.prefill
+    gen.prefill = lambda batch, cache, prompts, first_row: (
+        prefills.append((prompts, first_row)) or prefill(batch, cache, prompts, first_row)
+    )
+    refilled = generate(gen)
+    alone = generator_for(model, max_prompts_per_batch=1)
+    one_by_one = [r for i, p in enumerate(PROMPTS) for r in generate(alone, [p], [i])]
+    assert [(r.prompt_index, r.sample_index, r.completion_tokens) for r in refilled] == [
+        (r.prompt_index, r.sample_index, r.completion_tokens) for r in one_by_one
+    ]
+    for a, b in zip(refilled, one_by_one):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+    # Premise: prompts with images were admitted after the first prefill, into rows others left.
+    admitted_later = [p for prompts, _ in prefills[1:] for p in prompts]
+    assert any(PROMPTS[p][1] for p in admitted_later)
+    assert len(prefills) > 1 and prefills[0][1] == 0
+
+
 def test_images_change_what_is_generated():
     """The images reach the model: the same tokens with other pixels give other log-probs."""
     model, _ = noisy_model()

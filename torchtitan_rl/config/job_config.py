@@ -652,8 +652,16 @@ class Generation:
     sample), never on the parallel layout."""
 
     max_prompts_per_batch: int = bounded(8, ge=1)
-    """Prompts a rank generates at once (times rl.group_size rows): bounds the KV cache.
-    Rollouts are bitwise layout-independent when it divides every rank's share."""
+    """Prompts whose rows (times rl.group_size) a rank's KV cache holds at once: a ceiling, not a
+    batch to wait for. Rows that finish leave and the next queued prompt takes their rows once
+    all its samples fit (continuous batching). Rollouts do not depend on it up to the rounding
+    of float kernels for other batch shapes."""
+
+    compile: bool = False
+    """Compile the generator's decode step: one graph per bucket of running rows (powers of two
+    from 8, up to the KV cache's rows), with CUDA graphs on CUDA (mode="reduce-overhead"). Worth
+    it on GPUs, where an eager decode step of a small batch is bound by kernel launches; each
+    bucket compiles once per run (seconds to minutes)."""
 
 
 @dataclass

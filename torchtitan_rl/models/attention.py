@@ -17,7 +17,9 @@ out, and the reference every other backend is tested against, but O(T·S) work.
 ``sdpa_varlen`` (the CPU default; planned in ``varlen_plan.py``) attends each document's
 queries to that document's keys only, documents of similar length batched into one padded
 SDPA call, so its work is ∝ Σ Lᵢ² (Σ Lᵢ²/cp on a context-parallel share). ``sdpa_loop``
-calls SDPA once per document. ``flex`` (CUDA) runs flex_attention under a block mask.
+calls SDPA once per document. ``flex`` (CUDA) runs flex_attention under a block mask; its
+call pads queries and keys to whole ``FLEX_BLOCK_SIZE`` blocks with filler tokens that neither
+see nor are seen by a real token, and returns the real queries' outputs only.
 
 The mask data depends only on the micro-batch, so it is built once per forward into an
 ``AttentionContext`` and shared by every layer.
@@ -51,6 +53,10 @@ ATTN_BACKENDS = ("sdpa_dense", "sdpa_varlen", "sdpa_loop", "flex")
 ATTN_BACKEND_CHOICES = ("auto", *ATTN_BACKENDS)
 FLEX_MIN_HEAD_DIM = 16
 """flex_attention's compiled kernels refuse smaller heads (torch 2.11 and 2.13)."""
+FLEX_BLOCK_SIZE = 128
+"""Tokens per side of a flex block-mask tile. Compiled flex_attention finds no kernel for a
+sequence shorter than one tile (torch 2.11, CUDA), so the flex backend pads queries and keys to
+whole tiles."""
 
 
 def resolve_attn_backend(name: str, device: torch.device | str, head_dims: tuple[int, ...] = ()) -> str:
@@ -242,15 +248,25 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context:
             out = out.index_select(0, context.inverse_query_order)
         return out
     assert context.backend == "flex", context.backend
+    # The block mask describes the padded tokens (see _pad_for_flex): zero fillers go after the
+    # real ones and only the real queries' outputs come back, so fillers add nothing to any real
+    # output or gradient.
+    padded_q_len, padded_kv_len = context.block_mask.seq_lengths
     out = _compiled_flex_attention()(
-        _to_bhld(q),
-        _to_bhld(k),
-        _to_bhld(v),
+        _to_bhld(_pad_tokens(q, padded_q_len)),
+        _to_bhld(_pad_tokens(k, padded_kv_len)),
+        _to_bhld(_pad_tokens(v, padded_kv_len)),
         block_mask=context.block_mask,
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out[0, :, : q.shape[0]].transpose(0, 1)
+
+
+def _pad_tokens(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [L, heads, head_dim]`` followed by zero rows up to ``length``."""
+    assert 0 <= length - x.shape[0] <= FLEX_BLOCK_SIZE, (x.shape, length)
+    return x if x.shape[0] == length else F.pad(x, (0, 0, 0, 0, 0, length - x.shape[0]))
 
 
 def _varlen_attention(q, k, v, context: AttentionContext, scale: float) -> torch.Tensor:
@@ -327,7 +343,33 @@ def _document_slices(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: b
     return tuple(documents), inverse.to(device)
 
 
-def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True) -> BlockMask:
+def _pad_for_flex(q_seq_ids, q_positions, kv_seq_ids, kv_positions):
+    """The queries' and keys' ids and positions, each followed by filler tokens up to a multiple
+    of ``FLEX_BLOCK_SIZE``.
+
+    Fillers take a sequence id below every real one and position 0, so under either rule a
+    filler sees every filler key and nothing real, and no real query sees a filler. Keys get a
+    block of fillers whenever queries get any, even when they already fill whole blocks: every
+    filler query then has a key, so its softmax stays finite.
+    """
+    num_q_fillers = -q_seq_ids.numel() % FLEX_BLOCK_SIZE
+    num_kv_fillers = -kv_seq_ids.numel() % FLEX_BLOCK_SIZE or (FLEX_BLOCK_SIZE if num_q_fillers else 0)
+    if num_kv_fillers == 0:
+        return q_seq_ids, q_positions, kv_seq_ids, kv_positions
+    filler_id = torch.cat((q_seq_ids, kv_seq_ids)).min() - 1  # stays on the device: no sync
+
+    def pad(seq_ids, positions, num_fillers):
+        return (
+            torch.cat((seq_ids, filler_id.expand(num_fillers))),
+            torch.cat((positions, positions.new_zeros(num_fillers))),
+        )
+
+    return (*pad(q_seq_ids, q_positions, num_q_fillers), *pad(kv_seq_ids, kv_positions, num_kv_fillers))
+
+
+def _flex_mask_mod(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True):
+    """The masking rule as flex_attention's ``mask_mod`` over the given tokens."""
+
     def document_causal(batch, head, q_idx, kv_idx):
         same_sequence = q_seq_ids[q_idx] == kv_seq_ids[kv_idx]
         return same_sequence & (kv_positions[kv_idx] <= q_positions[q_idx])
@@ -335,13 +377,21 @@ def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: b
     def same_document(batch, head, q_idx, kv_idx):
         return q_seq_ids[q_idx] == kv_seq_ids[kv_idx]
 
+    return document_causal if causal else same_document
+
+
+def _flex_block_mask(q_seq_ids, q_positions, kv_seq_ids, kv_positions, causal: bool = True) -> BlockMask:
+    """The block mask of the tokens padded by ``_pad_for_flex``; its ``seq_lengths`` are the
+    padded lengths the flex call pads q, k and v to."""
+    padded = _pad_for_flex(q_seq_ids, q_positions, kv_seq_ids, kv_positions)
     return _compiled_create_block_mask()(
-        document_causal if causal else same_document,
+        _flex_mask_mod(*padded, causal),
         B=None,
         H=None,
-        Q_LEN=q_seq_ids.numel(),
-        KV_LEN=kv_seq_ids.numel(),
+        Q_LEN=padded[0].numel(),
+        KV_LEN=padded[2].numel(),
         device=q_seq_ids.device,
+        BLOCK_SIZE=FLEX_BLOCK_SIZE,
     )
 
 

@@ -185,6 +185,7 @@ def build_generator(
         lora=lora_settings(job_config),
         vision=vision,
         freeze_vision=job_config.model.freeze_vision,
+        compile=generation.compile,
     )
 
 

@@ -12,71 +12,52 @@ an adapter-only sync leaves exactly the replica a full load of the merged weight
 tensor arrives in the replica's dtype (the rollout ranks' broadcast carries that dtype, and the
 colocated sync casts the same way), so both paths build the same replica bit for bit.
 
-How a batch of prompts is generated (``kv_cache=True``):
+How a call's prompts are generated (``rl/continuous_batching.py`` runs the loop):
 
-1. Prefill: all prompts of the batch, packed, go once through the model's normal packed
-   forward; its attention state (``PrefillAttention``, ``rl/kv_cache.py``) writes every
-   layer's K/V into each prompt's ``num_samples`` cache rows. The first token of each row is
-   sampled from its prompt's last-position logits. A vision-language model's prompts bring
-   their images: the vision tower encodes all images of the batch in one packed call, once per
-   prompt however many samples it has, and the features replace the placeholder tokens'
-   embeddings through ``vision_index``, exactly as in training.
-2. Decode: one token per row per step at the row's own position (RoPE included); attention
-   reads the row's cache slots ``0..position`` and masks the rest. Finished rows keep running
-   (static shapes) but their output is frozen. Generated tokens are text: decoding never
-   touches the vision tower.
+1. Prefill: the admitted prompts, packed, go once through the model's normal packed forward;
+   its attention state (``PrefillAttention``, ``rl/kv_cache.py``) writes every layer's K/V into
+   each prompt's ``num_samples`` cache rows. The first token of each row is sampled from its
+   prompt's last-position logits. A vision-language model's prompts bring their images: the
+   vision tower encodes the admitted prompts' images in one packed call, once per prompt however
+   many samples it has, and the features replace the placeholder tokens' embeddings through
+   ``vision_index``, exactly as in training.
+2. Decode: one token per running row per step at the row's own position (RoPE included);
+   attention reads the row's cache slots ``0..position`` (``DecodeAttention``). Finished rows
+   leave the batch and queued prompts take their rows. Generated tokens are text: decoding
+   never touches the vision tower.
+
+``compile=True`` compiles the decode step (``torch.compile``; on CUDA with
+``mode="reduce-overhead"``, CUDA graphs): it then runs on a few bucket sizes of rows (powers of
+two from 8, and the capacity) over every slot of the cache, so that each bucket is one graph.
+Prefill and observation feeds stay eager (their shapes vary).
 
 ``kv_cache=False`` reruns the whole packed model on every row's sequence so far at every step:
-the reference the cache is tested against, and the baseline of the benchmark.
+the reference the cache is tested against.
 
-Randomness: row (prompt index p, sample index s) draws one uniform per step from its own CPU
-``torch.Generator`` seeded with ``rollout_seed(seed, step, p, s)``, and picks its token by inverse
-CDF. A rollout therefore depends only on (weights, prompt, params, seed, step, p, s), not on the
-batch it is generated in, the order of prompts, ``max_prompts_per_batch`` or the device count —
-and its numbers are bitwise independent of how prompts are split over ranks whenever
-``max_prompts_per_batch`` divides every rank's share (float kernels may round differently for
-other batch shapes, which can only matter when a uniform falls within rounding of a CDF step).
+Randomness (``rl/sampling.py``): row (prompt index p, sample index s) draws one uniform per step
+from its own stream seeded with ``rollout_seed(seed, step, p, s)``. A rollout therefore depends
+only on (weights, prompt, params, seed, step, p, s), not on the batch it is generated in, the
+order of prompts, ``max_prompts_per_batch`` or the device count, up to the rounding of float
+kernels for other batch shapes (which can only change a token when its uniform falls within
+that rounding of a CDF step).
 """
 
-import hashlib
-import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from torchtitan_rl.data.vision_samples import PlannedImage, VisionDataConfig, image_vision_rows, load_images
-from torchtitan_rl.models.attention import AttentionState, LayerAttention, build_attention_context
+from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_rows
+from torchtitan_rl.models.attention import AttentionState, build_attention_context
 from torchtitan_rl.models.lora import LoRASettings, adapted_module_name, add_adapters, is_adapter_key, merged_weight
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
 from torchtitan_rl.models.registry import spec_for_args
 from torchtitan_rl.models.vlm.model import VisionInputs
-from torchtitan_rl.rl.kv_cache import KVCache, PrefillAttention
-
-PromptImages = tuple[PlannedImage, ...]
-"""A prompt's images, in order, with their placeholders' positions in its tokens (none: text)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+from torchtitan_rl.rl.continuous_batching import ContinuousBatch, PromptBatch, PromptImages, pack_sequences
+from torchtitan_rl.rl.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from torchtitan_rl.rl.sampling import SamplingParams
 
 
 @dataclass
@@ -108,133 +89,6 @@ class RolloutEngine(Protocol):
     ) -> list[Rollout]: ...
 
     def take_phase_seconds(self) -> dict[str, float]: ...  # phase -> seconds since the last call; reset
-
-
-def rollout_seed(seed: int, step: int, prompt_index: int, sample_index: int) -> int:
-    """Seed of one rollout's generator: the first 8 bytes (little-endian) of the SHA-256 of
-    ``"{seed}:{step}:{prompt_index}:{sample_index}"``, cut to 63 bits.
-
-    A cryptographic hash rather than arithmetic on the indices, so that neighbouring rollouts
-    get unrelated streams; unlike Python's ``hash()`` it is the same in every process.
-    """
-    digest = hashlib.sha256(f"{seed}:{step}:{prompt_index}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens [R], logprobs [R])`` from ``logits [R, V]`` and one uniform in [0, 1) per row.
-
-    The log-prob is of the full (untruncated) tempered distribution, the one the trainer
-    evaluates; top-k / top-p only restrict which tokens can be drawn.
-    """
-    logits = logits.float()
-    if params.temperature == 0:
-        tokens = logits.argmax(dim=-1)
-        logprobs = logits.log_softmax(dim=-1)
-    else:
-        scaled = logits / params.temperature
-        tokens = _inverse_cdf(_truncated_probs(scaled, params.top_k, params.top_p), uniforms)
-        logprobs = scaled.log_softmax(dim=-1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _truncated_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """softmax(scaled) restricted to the top-k tokens, then to the nucleus of mass top_p
-    (unnormalized: the inverse CDF scales by the total)."""
-    if 0 < top_k < scaled.shape[-1]:
-        # Tokens tied with the k-th logit are kept too: which of them topk returns is arbitrary.
-        kth = scaled.topk(top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = scaled.softmax(dim=-1)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix of the sorted tokens whose mass reaches top_p.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    return probs
-
-
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token whose CDF interval (vocabulary order, float64) holds ``uniform * total``."""
-    cdf = probs.double().cumsum(dim=-1)
-    targets = uniforms.double()[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    # Rounding can put a target at the total; never step past the last drawable token.
-    last_drawable = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(tokens, last_drawable)
-
-
-@dataclass(frozen=True)
-class _DecodeAttention:
-    """Attention state of a decode step: token r (of row r, at ``positions[r]``) is written to
-    its cache slot and attends to the row's slots ``0..position`` (``visible``, over the first
-    ``span`` slots: up to the furthest row's position)."""
-
-    cache: KVCache
-    rows: torch.Tensor  # [R]
-    positions: torch.Tensor  # [R]
-    span: int
-    visible: torch.Tensor  # [R, 1, 1, span] bool
-
-    def for_layer(self, layer_id: int) -> LayerAttention:
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.cache.k[layer_id].index_put_((self.rows, self.positions), k)
-            self.cache.v[layer_id].index_put_((self.rows, self.positions), v)
-            keys, values = (c[layer_id, :, : self.span].transpose(1, 2) for c in (self.cache.k, self.cache.v))
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys,
-                values,
-                attn_mask=self.visible,
-                scale=q.shape[-1] ** -0.5,
-                enable_gqa=q.shape[1] != k.shape[1],
-            )
-            return out.squeeze(2)
-
-        return attend
-
-
-@dataclass
-class PromptBatch:
-    """The prompts of one batch; row ``i * num_samples + s`` (of its KV cache, of its rollouts)
-    is sample s of prompt i."""
-
-    prompts: list[list[int]]
-    num_samples: int
-    device: torch.device
-    images: list[PromptImages] | None = None  # per prompt; None: a text batch
-    _loaded: dict = field(default_factory=dict)  # prompt -> its decoded images (SampleImage list)
-
-    def loaded_images(self, prompt: int, vision: VisionDataConfig) -> list:
-        """Prompt ``prompt``'s images, decoded and cut into patches once per batch."""
-        if prompt not in self._loaded:
-            self._loaded[prompt] = load_images(self.images[prompt], vision)
-        return self._loaded[prompt]
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.prompts) * self.num_samples
-
-    @property
-    def longest_prompt(self) -> int:
-        return max(len(p) for p in self.prompts)
-
-    def row_prompt_lens(self) -> torch.Tensor:
-        lens = torch.tensor([len(p) for p in self.prompts], device=self.device)
-        return lens.repeat_interleave(self.num_samples)
-
-
-def pack_sequences(sequences: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, positions, seq_ids, index of each sequence's last token) of packed sequences."""
-    device = sequences[0].device
-    lens = torch.tensor([s.numel() for s in sequences], device=device)
-    seq_ids = torch.repeat_interleave(torch.arange(len(sequences), device=device), lens)
-    starts = lens.cumsum(0) - lens
-    positions = torch.arange(seq_ids.numel(), device=device) - starts[seq_ids]
-    return torch.cat(sequences), positions, seq_ids, lens.cumsum(0) - 1
 
 
 def full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -292,6 +146,7 @@ class TorchGenerator:
         lora: LoRASettings | None = None,
         vision: VisionDataConfig | None = None,
         freeze_vision: bool = False,
+        compile: bool = False,
     ):
         if max_prompts_per_batch < 1:
             raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
@@ -316,6 +171,14 @@ class TorchGenerator:
         self._bases: dict[str, torch.Tensor] = {}  # adapted layer -> its base weight, as last received
         self._pending: dict[str, torch.Tensor] = {}  # the adapters of the sync in progress
         self._phase_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.compile = compile
+        # One graph per decode bucket (static shapes: dynamic=False); the cache is written in place,
+        # and on CUDA its address is marked static (new_cache) so that CUDA graphs can replay it.
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        self._decode_forward = torch.compile(self._forward, mode=mode, dynamic=False) if compile else self._forward
+
+    def add_phase_seconds(self, phase: str, seconds: float) -> None:
+        self._phase_seconds[phase] += seconds
 
     def take_phase_seconds(self) -> dict[str, float]:
         """Seconds spent since the last call in prefill (prompts, their images through the vision
@@ -429,13 +292,26 @@ class TorchGenerator:
         split their prompts among themselves), and generation involves no collective.
         """
         self.check_inputs(prompts, prompt_indices, num_samples, params, images)
-        rollouts = []
-        for start in range(0, len(prompts), self.max_prompts_per_batch):
-            end = start + self.max_prompts_per_batch
-            batch_images = list(images[start:end]) if images is not None and any(images[start:end]) else None
-            batch = PromptBatch(prompts[start:end], num_samples, self.device, batch_images)
-            rollouts += self._generate_batch(batch, prompt_indices[start:end], params, seed, step)
-        return rollouts
+        if not prompts:
+            return []
+        batch = PromptBatch(prompts, num_samples, self.device, list(images) if images and any(images) else None)
+        pairs = [(p, s) for p in prompt_indices for s in range(num_samples)]
+        # One turn: no row reaches max_len before max_new_tokens ends it.
+        max_len = max(len(p) for p in prompts) + params.max_new_tokens
+        rows = ContinuousBatch(self, batch, pairs, params, seed, step, None, 1, max_len).run()
+        return [
+            Rollout(
+                p,
+                s,
+                list(prompts[r // num_samples]),
+                row.tokens[len(prompts[r // num_samples]) :],
+                row.logprobs[len(prompts[r // num_samples]) :],
+                "stop" if row.end_reason == "done" else "length",
+                self.version,
+                batch.images[r // num_samples] if batch.images is not None else (),
+            )
+            for r, ((p, s), row) in enumerate(zip(pairs, rows))
+        ]
 
     def check_inputs(self, prompts, prompt_indices, num_samples: int, params: SamplingParams, images=None) -> None:
         """ValueError unless ``generate`` can take these inputs; RuntimeError before the first weights."""
@@ -469,44 +345,7 @@ class TorchGenerator:
         if not self._loaded:
             raise RuntimeError("call update_weights before generate: the replica has no weights yet")
 
-    def _generate_batch(
-        self, batch: PromptBatch, prompt_indices: list[int], params: SamplingParams, seed: int, step: int
-    ) -> list[Rollout]:
-        pairs = [(p, s) for p in prompt_indices for s in range(batch.num_samples)]
-        generators = [torch.Generator().manual_seed(rollout_seed(seed, step, p, s)) for p, s in pairs]
-        rows, steps = batch.num_rows, params.max_new_tokens
-        tokens = torch.zeros(rows, steps, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros(rows, steps, device=self.device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=self.device)
-        next_logits = self._cached_logits(batch, params) if self.kv_cache else self._uncached_logits(batch)
-        for t in range(steps):
-            start = time.perf_counter()
-            uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
-            tokens[:, t], logprobs[:, t] = sample_tokens(next_logits(t, tokens), params, uniforms.to(self.device))
-            lengths += ~stopped
-            stopped |= torch.isin(tokens[:, t], stop_ids)
-            done = bool(stopped.all())  # a host sync: the step's time is the device's too
-            self._phase_seconds["prefill" if t == 0 else "decode"] += time.perf_counter() - start
-            if done:
-                break
-        tokens, logprobs, lengths, stopped = (x.tolist() for x in (tokens, logprobs, lengths, stopped))
-        return [
-            Rollout(
-                p,
-                s,
-                list(batch.prompts[r // batch.num_samples]),
-                tokens[r][: lengths[r]],
-                logprobs[r][: lengths[r]],
-                "stop" if stopped[r] else "length",
-                self.version,
-                batch.images[r // batch.num_samples] if batch.images is not None else (),
-            )
-            for r, (p, s) in enumerate(pairs)
-        ]
-
-    def _vision_inputs(self, batch: PromptBatch, num_inputs: list[int], prompt_of: list[int]) -> VisionInputs | None:
+    def vision_inputs(self, batch: PromptBatch, num_inputs: list[int], prompt_of: list[int]) -> VisionInputs | None:
         """The images of packed sequences, sequence k of ``num_inputs[k]`` tokens starting with
         prompt ``prompt_of[k]`` of ``batch`` (whose images it holds); None for a text batch.
         Each prompt's images are decoded once, whatever the number of sequences that hold them."""
@@ -539,8 +378,13 @@ class TorchGenerator:
         vision: VisionInputs | None = None,
     ) -> torch.Tensor:
         """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
-        ``attention`` (default: the model's plain packed attention), with ``vision``'s images."""
+        ``attention`` (default: the model's plain packed attention), with ``vision``'s images.
+        Every forward of the generator goes through here; a decode step's is the compiled one."""
         images = () if vision is None else (vision,)
+        forward = self._decode_forward if isinstance(attention, DecodeAttention) else self._forward
+        return forward(tokens, positions, seq_ids, attention, rows, images)
+
+    def _forward(self, tokens, positions, seq_ids, attention, rows, images) -> torch.Tensor:
         hidden = self.model(tokens, positions, seq_ids, *images, attention=attention)
         if self.args.is_moe:
             hidden = hidden[0]  # a MoE model also returns its router statistics
@@ -551,53 +395,51 @@ class TorchGenerator:
     def new_cache(self, num_rows: int, num_slots: int) -> KVCache:
         """A zeroed KV cache of this model, in the replica's dtype and on its device."""
         shape = (self.args.n_layers, num_rows, num_slots, self.args.n_kv_heads, self.args.head_dim)
-        return KVCache.zeros(shape, self.model.output.weight.dtype, self.device)
+        cache = KVCache.zeros(shape, self.model.output.weight.dtype, self.device)
+        if self.compile and self.device.type == "cuda":
+            # Written in place by every decode step: CUDA graphs replay it only at a fixed address.
+            torch._dynamo.mark_static_address(cache.k)
+            torch._dynamo.mark_static_address(cache.v)
+        return cache
 
-    def _uncached_logits(self, batch: PromptBatch):
-        """Step t: rerun every row's prompt + first t sampled tokens; last-position logits."""
-        prompts = [torch.tensor(p, device=self.device) for p in batch.prompts]
-
-        def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
-            prompt_of = [r // batch.num_samples for r in range(batch.num_rows)]
-            sequences = [torch.cat((prompts[prompt_of[r]], tokens[r, :t])) for r in range(batch.num_rows)]
-            ids, positions, seq_ids, last = pack_sequences(sequences)
-            vision = self._vision_inputs(batch, [s.numel() for s in sequences], prompt_of)
-            return self.logits(ids, positions, seq_ids, rows=last, vision=vision)
-
-        return next_logits
-
-    def _cached_logits(self, batch: PromptBatch, params: SamplingParams):
-        """Step 0: prefill (fills the cache); step t: decode token t-1 of every row."""
-        cache = self.new_cache(batch.num_rows, batch.longest_prompt + params.max_new_tokens)
-        prompt_lens = batch.row_prompt_lens()
-
-        def next_logits(t: int, tokens: torch.Tensor) -> torch.Tensor:
-            if t == 0:
-                return self.prefill(batch, cache)
-            positions = prompt_lens + (t - 1)
-            return self._decode(tokens[:, t - 1], positions, batch.longest_prompt + t, cache)
-
-        return next_logits
-
-    def prefill(self, batch: PromptBatch, cache: KVCache) -> torch.Tensor:
-        """Packed forward of the batch's prompts, each once, writing their keys and values to the
-        first slots of ``cache``'s rows (``batch.num_rows`` of them); returns the rows' first logits."""
-        ids, positions, seq_ids, last = pack_sequences([torch.tensor(p, device=self.device) for p in batch.prompts])
+    def prefill(self, batch: PromptBatch, cache: KVCache, prompts: list[int], first_row: int) -> torch.Tensor:
+        """Packed forward of ``batch``'s prompts ``prompts``, each once, writing their keys and
+        values to the first slots of cache rows ``first_row``, ``first_row + 1``, ... (each prompt's
+        ``batch.num_samples`` rows in turn); returns those rows' first logits."""
+        sequences = [torch.tensor(batch.prompts[p], device=self.device) for p in prompts]
+        ids, positions, seq_ids, last = pack_sequences(sequences)
         samples = batch.num_samples
-        # Token j goes to slot positions[j] of its prompt's rows seq_ids[j] * S + 0..S-1.
-        rows = (seq_ids[:, None] * samples + torch.arange(samples, device=self.device)).flatten()
+        # Token j goes to slot positions[j] of its prompt's rows first_row + seq_ids[j] * S + 0..S-1.
+        rows = (first_row + seq_ids[:, None] * samples + torch.arange(samples, device=self.device)).flatten()
         slots = positions.repeat_interleave(samples)
         context = build_attention_context(self.args.attn_backend, seq_ids, positions)
         attention = PrefillAttention(context, cache, rows, slots, samples)
-        vision = self._vision_inputs(batch, [len(p) for p in batch.prompts], list(range(len(batch.prompts))))
+        vision = self.vision_inputs(batch, [s.numel() for s in sequences], prompts)
         return self.logits(ids, positions, seq_ids, attention, last, vision).repeat_interleave(samples, dim=0)
 
-    def _decode(self, tokens, positions, span: int, cache: KVCache) -> torch.Tensor:
-        """One token per row at its own position, attending to its cache slots 0..position.
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache) -> torch.Tensor:
+        """One token for each of ``cache``'s first ``len(tokens)`` rows, at its own position,
+        attending to its slots ``0..position``; their logits.
 
-        Only the first ``span`` slots are read: up to the furthest row's position.
+        Eager, the step runs on exactly these rows over the slots up to the furthest position.
+        Compiled, it runs on the smallest bucket of rows that holds them (``decode_bucket``) over
+        every slot: the padding rows feed token 0 at position 0 of the free rows after the
+        running ones, which a prefill overwrites before anything reads them.
         """
-        rows = torch.arange(tokens.numel(), device=self.device)
-        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
-        attention = _DecodeAttention(cache, rows, positions, span, visible)
-        return self.logits(tokens, positions, rows, attention)
+        num_rows, span = len(tokens), max(positions) + 1
+        if self.compile:
+            padding = decode_bucket(num_rows, cache.num_rows) - num_rows
+            tokens, positions, span = tokens + [0] * padding, positions + [0] * padding, cache.num_slots
+        ids = torch.tensor(tokens, device=self.device)
+        where = torch.tensor(positions, device=self.device)
+        rows = torch.arange(len(tokens), device=self.device)
+        return self.logits(ids, where, rows, DecodeAttention(cache, where, span))[:num_rows]
+
+
+def decode_bucket(num_rows: int, capacity: int) -> int:
+    """The rows a compiled decode step runs on for ``num_rows`` running rows of a cache of
+    ``capacity`` rows: the smallest power of two from 8 that holds them, at most ``capacity``."""
+    bucket = 8
+    while bucket < num_rows:
+        bucket *= 2
+    return min(bucket, capacity)

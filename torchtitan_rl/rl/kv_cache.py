@@ -35,17 +35,26 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k.shape[2]
 
-    def resized(self, rows: list[int], num_slots: int) -> "KVCache":
-        """A new cache of ``num_slots`` slots whose row i holds this cache's row ``rows[i]``
-        (the slots both have); the other rows are dropped. Rows are copied one at a time, so
-        nothing but the two caches is allocated."""
-        n_layers, _, _, n_kv_heads, head_dim = self.k.shape
-        new = KVCache.zeros((n_layers, len(rows), num_slots, n_kv_heads, head_dim), self.k.dtype, self.k.device)
+    @property
+    def num_rows(self) -> int:
+        return self.k.shape[1]
+
+    def resized(self, num_kept: int, num_slots: int) -> "KVCache":
+        """A cache of as many rows and ``num_slots`` slots that holds this cache's first
+        ``num_kept`` rows (the slots both have). Rows are copied one at a time, so nothing
+        but the two caches is allocated."""
+        n_layers, num_rows, _, n_kv_heads, head_dim = self.k.shape
+        new = KVCache.zeros((n_layers, num_rows, num_slots, n_kv_heads, head_dim), self.k.dtype, self.k.device)
         kept = min(num_slots, self.num_slots)
-        for i, row in enumerate(rows):
-            new.k[:, i, :kept].copy_(self.k[:, row, :kept])
-            new.v[:, i, :kept].copy_(self.v[:, row, :kept])
+        for row in range(num_kept):
+            new.k[:, row, :kept].copy_(self.k[:, row, :kept])
+            new.v[:, row, :kept].copy_(self.v[:, row, :kept])
         return new
+
+    def move_row(self, source: int, target: int, num_slots: int) -> None:
+        """Copy the first ``num_slots`` slots of row ``source`` into row ``target``."""
+        self.k[:, target, :num_slots].copy_(self.k[:, source, :num_slots])
+        self.v[:, target, :num_slots].copy_(self.v[:, source, :num_slots])
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
@@ -77,6 +86,35 @@ class PrefillAttention:
             self.cache.k[layer_id].index_put_((self.rows, self.slots), k.repeat_interleave(self.samples, dim=0))
             self.cache.v[layer_id].index_put_((self.rows, self.slots), v.repeat_interleave(self.samples, dim=0))
             return self.context(q, k, v)
+
+        return attend
+
+
+@dataclass(frozen=True)
+class DecodeAttention:
+    """Attention state of a decode step: one new token for each of the cache's first rows
+    (``len(positions)`` of them), row i's at ``positions[i]``. Each is written to its slot, then
+    attends to its row's slots ``0..position``, read through the view of the first ``span``
+    slots (at least the furthest position + 1). The query heads that share a KV head are that
+    head's query rows, so no backend needs the KV heads repeated."""
+
+    cache: KVCache
+    positions: torch.Tensor  # [R]
+    span: int
+
+    def for_layer(self, layer_id: int) -> LayerAttention:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            num_rows = q.shape[0]
+            keys, values = self.cache.k[layer_id, :num_rows], self.cache.v[layer_id, :num_rows]
+            rows = torch.arange(num_rows, device=q.device)
+            keys.index_put_((rows, self.positions), k)
+            values.index_put_((rows, self.positions), v)
+            slots = torch.arange(self.span, device=q.device)
+            visible = (slots[None, :] <= self.positions[:, None])[:, None, None, :]
+            # Query head h reads KV head h // (heads per KV head), as with enable_gqa.
+            queries = q.view(num_rows, k.shape[1], -1, q.shape[-1])
+            views = [c[:, : self.span].transpose(1, 2) for c in (keys, values)]
+            return _attend(queries, *views, visible).reshape(q.shape)
 
         return attend
 
