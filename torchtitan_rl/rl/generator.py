@@ -1,4 +1,4 @@
-"""Rollout generation: a batched sampler with a static KV cache over the project's models
+"""Rollout generation: a continuously batched sampler with a KV cache over the project's models
 (``Qwen3Model`` and the vision-language ``VLMModel``).
 
 Every trainer rank holds an unsharded replica of the policy (docs/design.md, 'The RL step'), refreshed with
@@ -121,11 +121,10 @@ def trained_parameters(
 class TorchGenerator:
     """``RolloutEngine`` on an unsharded replica of the trained model (CPU or CUDA).
 
-    Prompts are generated in batches of at most ``max_prompts_per_batch`` prompts (each with
-    ``num_samples`` rows), which bounds the KV cache: per layer, K and V of shape
-    ``[rows, longest prompt + max_new_tokens, n_kv_heads, head_dim]``. Results are bitwise
-    independent of how prompts are split over ranks whenever this size divides every rank's
-    share (float kernels may round differently for other batch shapes).
+    The KV cache holds the rows of at most ``max_prompts_per_batch`` prompts (``num_samples``
+    rows each) at once: per layer, K and V of shape ``[rows, longest prompt + max_new_tokens,
+    n_kv_heads, head_dim]`` (single turn); further prompts take the rows of finished ones.
+    ``compile``: compile the decode step (see above).
 
     ``lora``: the trained model carries these adapters; the replica holds its merged weights and
     keeps a copy of each adapted layer's base (in the replica's dtype: a bfloat16 replica merges
