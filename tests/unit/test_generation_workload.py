@@ -2,29 +2,19 @@
 generator: the completion lengths it realizes against the schedule written out here from each
 row's own tokens, with and without the KV cache."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
+from test_generator import ARGS as GENERATOR_TEST_ARGS
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
 
 TOOL = Path(__file__).resolve().parents[2] / "scripts" / "generation_workload.py"
-ARGS = Qwen3ModelArgs(
-    vocab_size=64,
-    dim=32,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=8,
-    hidden_dim=48,
-    rope_theta=10_000.0,
-    max_seq_len=128,
-    attn_backend="sdpa_dense",
-)
+ARGS = dataclasses.replace(GENERATOR_TEST_ARGS, max_seq_len=128)
 PROMPT_LEN, MAX_NEW_TOKENS, STOP = 5, 34, 63
 
 
