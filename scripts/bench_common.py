@@ -151,9 +151,11 @@ def run_train(
     dump_folder: str | None = None,
     env: dict | None = None,
     timeout: float | None = None,
+    root: str = ROOT,
 ) -> TrainRun:
     """Run ``train.py OVERRIDES`` (under torchrun with ``ranks`` processes, or plain python for
-    ``None``) and read back what it logged to TensorBoard.
+    ``None``) and read back what it logged to TensorBoard. ``root``: the source tree whose
+    ``train.py`` runs, from that folder (another tree's package needs it on ``PYTHONPATH`` too).
 
     TensorBoard is switched on and the run writes into ``dump_folder`` (a temporary folder,
     removed afterwards, when ``None``); the forced keys come last so they win. A failed run
@@ -165,7 +167,7 @@ def run_train(
         dump = dump_folder or tmp
         cmd = [
             *launcher(ranks),
-            os.path.join(ROOT, "train.py"),
+            os.path.join(root, "train.py"),
             *overrides,
             "--metrics.enable_tensorboard",
             "true",
@@ -176,7 +178,7 @@ def run_train(
         ]
         start = time.perf_counter()
         proc = subprocess.run(
-            cmd, check=False, cwd=ROOT, env=launch_env(env), capture_output=True, text=True, timeout=timeout
+            cmd, check=False, cwd=root, env=launch_env(env), capture_output=True, text=True, timeout=timeout
         )
         wall = time.perf_counter() - start
         if proc.returncode != 0:

@@ -2,14 +2,10 @@
 compared: RL step time, generation time and the rewards of every step. A section of
 ``scripts/benchmark_generator.py``'s page."""
 
-import os
-import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 
-from bench_common import alternating_order, launch_env, launcher, markdown_table, ratio
+from bench_common import alternating_order, markdown_table, ratio, run_train
 
 RECIPE = "train_configs/debug_grpo.toml"
 STEP_TIME, GENERATE_TIME, REWARD = "time/step_s", "time/generate_s", "rl/reward_mean"
@@ -17,31 +13,9 @@ STEP_TIME, GENERATE_TIME, REWARD = "time/step_s", "time/generate_s", "rl/reward_
 
 def run_recipe(tree: str, ranks: int, steps: int) -> dict[str, dict[int, float]]:
     """The recipe's TensorBoard scalars after ``steps`` RL steps, run with ``tree``'s own
-    ``train.py`` and package (cwd and PYTHONPATH ``tree``); RuntimeError with the output's tail
-    when it fails."""
-    from torchtitan_rl.tensorboard_io import read_scalars
-
-    with tempfile.TemporaryDirectory(prefix="grpo_step_") as dump:
-        cmd = [
-            *launcher(ranks),
-            os.path.join(tree, "train.py"),
-            "--job.config_file",
-            RECIPE,
-            "--training.steps",
-            str(steps),
-            "--metrics.enable_tensorboard",
-            "true",
-            "--metrics.save_tb_folder",
-            "tb",
-            "--job.dump_folder",
-            dump,
-        ]
-        env = launch_env({"PYTHONPATH": tree})
-        proc = subprocess.run(cmd, check=False, cwd=tree, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            tail = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()][-40:]
-            raise RuntimeError(f"{shlex.join(cmd)} failed (exit status {proc.returncode}):\n" + "\n".join(tail))
-        return read_scalars(os.path.join(dump, "tb"))
+    ``train.py`` and package; RuntimeError with the output's tail when it fails."""
+    overrides = ["--job.config_file", RECIPE, "--training.steps", str(steps)]
+    return run_train(overrides, ranks, env={"PYTHONPATH": tree}, root=tree).scalars
 
 
 def _error_line(err: RuntimeError) -> str:
