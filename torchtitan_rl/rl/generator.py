@@ -432,7 +432,7 @@ class TorchGenerator:
         ids = torch.tensor(tokens, device=self.device)
         where = torch.tensor(positions, device=self.device)
         rows = torch.arange(len(tokens), device=self.device)
-        return self.logits(ids, where, rows, DecodeAttention(cache, where, span))[:num_rows]
+        return self.logits(ids, where, rows, DecodeAttention.build(cache, where, span))[:num_rows]
 
 
 def decode_bucket(num_rows: int, capacity: int) -> int:

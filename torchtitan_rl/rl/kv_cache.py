@@ -96,25 +96,28 @@ class DecodeAttention:
     (``len(positions)`` of them), row i's at ``positions[i]``. Each is written to its slot, then
     attends to its row's slots ``0..position``, read through the view of the first ``span``
     slots (at least the furthest position + 1). The query heads that share a KV head are that
-    head's query rows, so no backend needs the KV heads repeated."""
+    head's query rows, so no backend needs the KV heads repeated. ``build`` makes one."""
 
     cache: KVCache
     positions: torch.Tensor  # [R]
-    span: int
+    visible: torch.Tensor  # [R, 1, 1, span] bool: slot s <= positions[r]
+
+    @classmethod
+    def build(cls, cache: KVCache, positions: torch.Tensor, span: int) -> "DecodeAttention":
+        slots = torch.arange(span, device=positions.device)
+        return cls(cache, positions, (slots[None, :] <= positions[:, None])[:, None, None, :])
 
     def for_layer(self, layer_id: int) -> LayerAttention:
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            num_rows = q.shape[0]
+            num_rows, span = q.shape[0], self.visible.shape[-1]
             keys, values = self.cache.k[layer_id, :num_rows], self.cache.v[layer_id, :num_rows]
             rows = torch.arange(num_rows, device=q.device)
             keys.index_put_((rows, self.positions), k)
             values.index_put_((rows, self.positions), v)
-            slots = torch.arange(self.span, device=q.device)
-            visible = (slots[None, :] <= self.positions[:, None])[:, None, None, :]
             # Query head h reads KV head h // (heads per KV head), as with enable_gqa.
             queries = q.view(num_rows, k.shape[1], -1, q.shape[-1])
-            views = [c[:, : self.span].transpose(1, 2) for c in (keys, values)]
-            return _attend(queries, *views, visible).reshape(q.shape)
+            views = [c[:, :span].transpose(1, 2) for c in (keys, values)]
+            return _attend(queries, *views, self.visible).reshape(q.shape)
 
         return attend
 
