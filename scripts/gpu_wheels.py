@@ -32,18 +32,10 @@ WHEEL_DIR = os.path.join(ROOT, ".whl")
 EXCLUDE_LINE = "/.whl/"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
-# distribution -> the module it provides. The GPU image has torch, triton, transformers, peft and
-# tensorboard but not torchdata (the data loader); pyarrow (the row cache, imported by every
-# recipe) and pillow (images) come with `datasets`, which the image lacks too; the test runner
-# and its dependencies are small enough to carry whether or not the image has them.
+# distribution -> the module it provides. The GPU image (as read on 2026-11-17) has torch, triton,
+# transformers, peft, tensorboard, pyarrow, pillow and pytest, but not torchdata (the data loader).
 CARRIED = {
     "torchdata": "torchdata",
-    "pyarrow": "pyarrow",
-    "pillow": "PIL",
-    "pytest": "pytest",
-    "pluggy": "pluggy",
-    "iniconfig": "iniconfig",
-    "pygments": "pygments",
 }
 # Modules the GPU check needs (the recipes' imports and the `cuda` tests'), and the one only some
 # paths need (parquet files and hub datasets), reported but not required.

@@ -231,10 +231,11 @@ def _copy_output(pipe, log, echo_prefix: str | None) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """Stop the launcher and its ranks (they share its session, started for this purpose)."""
+    """Stop the launcher and its ranks: SIGTERM first, since torchrun starts its ranks in sessions
+    of their own and only it can end them; SIGKILL of the launcher's group after its grace."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        proc.wait(timeout=35)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)

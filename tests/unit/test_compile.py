@@ -202,3 +202,35 @@ def test_compiled_decode_steps_with_cuda_graphs_match_eager():
     """The same on CUDA, where the compiled step replays CUDA graphs (mode="reduce-overhead")
     over a cache written in place; CUDA kernels of other shapes round a little more."""
     assert_compiled_decoding_matches_eager(torch.device("cuda"), atol=1e-4)
+
+
+def test_compiled_decode_shapes_stay_in_few_buckets():
+    """Over generations of many prompt lengths and lengths to generate, the compiled decode step
+    sees only (row bucket, slot bucket) shapes: slots a power of two from 64 holding every row's
+    reach, rows a power of two from 8 or the capacity, and fewer shapes than dynamo's recompile
+    limit, which the generator raises (past it the rest would run eagerly). The shapes are
+    recorded without compiling; the compiled step itself is checked above."""
+    args = dataclasses.replace(ARGS, max_seq_len=256)
+    gen = TorchGenerator(args, CPU, max_prompts_per_batch=4, compile=True)
+    gen.update_weights(noisy_model(args))
+    shapes, reaches = set(), set()
+    forward = gen._forward
+
+    def record(tokens, positions, seq_ids, attention, rows, images):
+        slots = attention.cache.num_slots
+        shapes.add((tokens.numel(), slots))
+        reaches.add(int(positions.max()) + 1)
+        assert int(positions.max()) < slots
+        return forward(tokens, positions, seq_ids, attention, rows, images)
+
+    gen._decode_forward = record
+    for step, (prompt_len, max_new_tokens) in enumerate([(3, 10), (17, 25), (40, 9), (61, 70), (90, 30)]):
+        prompts = [[(7 * i + p) % 58 + 6 for i in range(prompt_len + 3 * p)] for p in range(5)]
+        params = dataclasses.replace(CB_PARAMS, max_new_tokens=max_new_tokens, stop_token_ids=())
+        gen.generate(prompts, list(range(5)), 3, params, 0, step)
+    slot_counts = {slots for _, slots in shapes}
+    assert slot_counts <= {64, 128, 256}
+    assert len(reaches) > 3 * len(slot_counts)  # premise: many more lengths than slot buckets
+    assert {rows for rows, _ in shapes} <= {8, 12}  # buckets of a 12-row cache (4 prompts x 3)
+    assert len(shapes) <= torch._dynamo.config.recompile_limit
+    assert torch._dynamo.config.recompile_limit >= 121

@@ -210,7 +210,7 @@ class ContinuousBatch:
         if self.cache is None:
             return self._recomputed_logits(rows)
         if (reach := max(self._reach(r) for r in rows)) > self.cache.num_slots:
-            self.cache = self.cache.resized(len(rows), reach)
+            self.cache = self.gen.new_cache(self.capacity, reach, self.cache, len(rows))
         new = [self.tokens[r][self.cached_len[r] :] for r in rows]
         positions = [self.cached_len[r] for r in rows]
         for r in rows:
@@ -235,7 +235,7 @@ class ContinuousBatch:
             logits = self._recomputed_logits([p * samples for p in admitted]).repeat_interleave(samples, dim=0)
         else:
             if (reach := max(self._reach(r) for r in rows)) > self.cache.num_slots:
-                self.cache = self.cache.resized(len(self.running), reach)
+                self.cache = self.gen.new_cache(self.capacity, reach, self.cache, len(self.running))
             logits = self.gen.prefill(self.batch, self.cache, admitted, len(self.running))
             self.batch.drop_images(admitted)
         for r in rows:

@@ -28,8 +28,9 @@ How a call's prompts are generated (``rl/continuous_batching.py`` runs the loop)
 
 ``compile=True`` compiles the decode step (``torch.compile``; on CUDA with
 ``mode="reduce-overhead"``, CUDA graphs): it then runs on a few bucket sizes of rows (powers of
-two from 8, and the capacity) over every slot of the cache, so that each bucket is one graph.
-Prefill and observation feeds stay eager (their shapes vary).
+two from 8, and the capacity) over every slot of the cache, whose slots are a power of two from
+64 too (``cache_slots``), so that each (rows, slots) bucket is one graph and a run has few of
+them. Prefill and observation feeds stay eager (their shapes vary).
 
 ``kv_cache=False`` reruns the whole packed model on every row's sequence so far at every step:
 the reference the cache is tested against.
@@ -175,6 +176,10 @@ class TorchGenerator:
         # and on CUDA its address is marked static (new_cache) so that CUDA graphs can replay it.
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self._decode_forward = torch.compile(self._forward, mode=mode, dynamic=False) if compile else self._forward
+        if compile:
+            # Past dynamo's recompile limit (8 by default) further buckets would silently run
+            # eagerly, as 256 rows of varied lengths did on an H100.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, MAX_DECODE_GRAPHS)
 
     def add_phase_seconds(self, phase: str, seconds: float) -> None:
         self._phase_seconds[phase] += seconds
@@ -391,14 +396,18 @@ class TorchGenerator:
             hidden = hidden.index_select(0, rows)
         return self.model.output(hidden).float()
 
-    def new_cache(self, num_rows: int, num_slots: int) -> KVCache:
-        """A zeroed KV cache of this model, in the replica's dtype and on its device."""
+    def new_cache(self, num_rows: int, num_slots: int, old: KVCache | None = None, num_kept: int = 0) -> KVCache:
+        """A zeroed KV cache of this model with room for ``num_slots`` slots (``cache_slots``), in
+        the replica's dtype and on its device, holding ``old``'s first ``num_kept`` rows."""
+        num_slots = cache_slots(num_slots, self.compile)
         shape = (self.args.n_layers, num_rows, num_slots, self.args.n_kv_heads, self.args.head_dim)
         cache = KVCache.zeros(shape, self.model.output.weight.dtype, self.device)
         if self.compile and self.device.type == "cuda":
             # Written in place by every decode step: CUDA graphs replay it only at a fixed address.
             torch._dynamo.mark_static_address(cache.k)
             torch._dynamo.mark_static_address(cache.v)
+        if old is not None:
+            old.copy_rows_to(cache, num_kept)
         return cache
 
     def prefill(self, batch: PromptBatch, cache: KVCache, prompts: list[int], first_row: int) -> torch.Tensor:
@@ -433,6 +442,23 @@ class TorchGenerator:
         where = torch.tensor(positions, device=self.device)
         rows = torch.arange(len(tokens), device=self.device)
         return self.logits(ids, where, rows, DecodeAttention.build(cache, where, span))[:num_rows]
+
+
+# Compiled decode graphs a generator may need: row buckets (8, 16, ... and the capacity: 11 up to
+# 4096 rows) times slot buckets (64, 128, ...: 11 up to 65536 slots).
+MAX_DECODE_GRAPHS = 121
+
+
+def cache_slots(num_slots: int, compiled: bool) -> int:
+    """The slots a cache is made with to hold ``num_slots``: as many eagerly; compiled, the
+    smallest power of two from 64 that holds them (at most twice the memory, for a number of
+    decode graphs that grows with the log of the longest sequence, not with each length)."""
+    if not compiled:
+        return num_slots
+    bucket = 64
+    while bucket < num_slots:
+        bucket *= 2
+    return bucket
 
 
 def decode_bucket(num_rows: int, capacity: int) -> int:

@@ -39,17 +39,13 @@ class KVCache:
     def num_rows(self) -> int:
         return self.k.shape[1]
 
-    def resized(self, num_kept: int, num_slots: int) -> "KVCache":
-        """A cache of as many rows and ``num_slots`` slots that holds this cache's first
-        ``num_kept`` rows (the slots both have). Rows are copied one at a time, so nothing
-        but the two caches is allocated."""
-        n_layers, num_rows, _, n_kv_heads, head_dim = self.k.shape
-        new = KVCache.zeros((n_layers, num_rows, num_slots, n_kv_heads, head_dim), self.k.dtype, self.k.device)
-        kept = min(num_slots, self.num_slots)
+    def copy_rows_to(self, new: "KVCache", num_kept: int) -> None:
+        """Copy this cache's first ``num_kept`` rows into ``new`` (the slots both have). Rows are
+        copied one at a time, so nothing but the two caches is allocated."""
+        kept = min(new.num_slots, self.num_slots)
         for row in range(num_kept):
             new.k[:, row, :kept].copy_(self.k[:, row, :kept])
             new.v[:, row, :kept].copy_(self.v[:, row, :kept])
-        return new
 
     def move_row(self, source: int, target: int, num_slots: int) -> None:
         """Copy the first ``num_slots`` slots of row ``source`` into row ``target``."""
