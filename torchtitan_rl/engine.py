@@ -41,6 +41,7 @@ from torchtitan_rl.losses.reduction import (
     local_counts,
     token_weights,
 )
+from torchtitan_rl.losses.rollout_weights import sequence_log_ratio, weights_of
 from torchtitan_rl.losses.router import RouterLossConfig, RouterMetrics, balance_loss, z_loss
 from torchtitan_rl.models.attention import AttentionContext, build_attention_context, cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
@@ -278,6 +279,7 @@ class Engine:
         batch: "list[Sample] | PreparedBatch",
         loss_fn: str = "cross_entropy",
         loss_fn_config: dict[str, Any] | None = None,
+        with_logprobs: bool = False,
     ) -> ForwardBackwardMetrics:
         """Accumulate the gradient of ``Σ_t w_t ℓ_t`` over this rank's samples.
 
@@ -286,6 +288,8 @@ class Engine:
         ``losses.loss_fns.LOSS_FNS``; ``loss_fn_config`` sets its options (clip bounds,
         ``kl_coef``, ``entropy_coef``, ...). The samples must carry the inputs the loss reads
         (advantages, sampler / reference log-probs, and a ``group_id`` under ``prompt_mean``).
+        ``with_logprobs``: also return each sample's per-token log-probs under the weights before
+        this update (the pass's own, detached; ``ForwardBackwardMetrics.logprobs``).
         """
         loss = resolve_loss_fn(loss_fn, loss_fn_config)
         batch = self._agree(self._prepared(batch, _loss_inputs(loss, self.options.reduction)))
@@ -310,8 +314,7 @@ class Engine:
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
             with self._autocast():
                 hidden, router_stats = self._hidden(mb, attention)
-                if loss.needs_sequence_log_ratio:
-                    mb = microbatches[i] = replace(mb, seq_log_ratio=self._sequence_log_ratio(mb, hidden, loss))
+                mb = microbatches[i] = self._sequence_inputs(mb, hidden, loss)
 
                 def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=mb_weights):
                     chunk = mb.map_tokens(lambda t: t[start:end])
@@ -351,18 +354,36 @@ class Engine:
             counts=counts,
             terms=metrics,
             router=router_metrics,
+            logprobs=[
+                values[:, 0] for values in self._per_sample(batch, microbatches, [lp[:, None] for lp, _ in outputs])
+            ]
+            if with_logprobs
+            else None,
         )
 
     @torch.no_grad()
-    def _sequence_log_ratio(self, mb: MicroBatch, hidden: torch.Tensor, loss) -> torch.Tensor:
-        """Each token's ``mean(logp_θ − logp_old)`` over its sequence's loss tokens (0 for a
-        sequence without any), from a gradient-free pass of the output head over ``hidden``.
+    def _sequence_inputs(self, mb: MicroBatch, hidden: torch.Tensor, loss) -> MicroBatch:
+        """``mb`` with what its loss needs of whole sequences before any token's loss: GSPO's
+        ``seq_log_ratio`` (each token's ``mean(logp_θ − logp_old)`` over its sequence's loss
+        tokens, 0 for a sequence without any) and a per-sequence rollout correction's weights
+        (from ``Σ_t log ρ_t`` over the sequence's loss tokens, ``ρ_t`` = current / sampler).
 
-        A sequence is never split over micro-batches, but its tokens may be spread over the
-        logits chunks of this pass and over the CP ranks: its sums are taken over every token of
-        this share, then summed over ``cp``, so every token of a sequence sees the same mean
-        on every rank and for any layout.
+        Their log-probs come from a gradient-free pass of the output head over ``hidden`` (no
+        model forward). A sequence is never split over micro-batches, but its tokens may be
+        spread over the logits chunks of this pass and over the CP ranks: its sums are taken
+        over every token of this share, then summed over ``cp``, so every token of a sequence
+        sees the same values on every rank and for any layout.
         """
+        options, mask = loss.options, mb.loss_mask
+        correction = options["rollout_correction"]
+        seq_weights = correction is not None and correction.per_sequence
+        updates = {}
+        if loss.needs_sequence_log_ratio and options["current_proximal"]:
+            # The ratio's old policy is the current one: every sequence's log-ratio is exactly 0.
+            updates["seq_log_ratio"] = torch.zeros(mask.shape, device=self.device)
+        gspo = loss.needs_sequence_log_ratio and "seq_log_ratio" not in updates
+        if not (gspo or seq_weights):
+            return replace(mb, **updates)
         logprobs, _ = token_logprobs(
             hidden,
             effective_weight(self.model.output),
@@ -370,14 +391,21 @@ class Engine:
             self.options.logits_chunk_size,
             **self._logprob_options(),
         )
-        mask = mb.loss_mask.to(torch.float32)
-        per_seq = torch.zeros(2, mb.num_seqs, device=self.device)
+        logprobs = logprobs.float()
+        old = old_logprobs(mb, options, logprobs)
+        rows = ([logprobs - old] if gspo else []) + ([old - mb.sampler_logprobs] if seq_weights else [])
+        per_token = torch.stack([torch.where(mask, row, 0.0) for row in rows] + [mask.float()])
+        per_seq = torch.zeros(len(per_token), mb.num_seqs, device=self.device)
         # Bitwise repeatable on CUDA only under debug.deterministic (index_add_ uses atomics there).
-        per_seq.index_add_(
-            1, mb.seq_ids, torch.stack(((logprobs.float() - old_logprobs(mb, loss.options)) * mask, mask))
-        )
-        sums, counts = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
-        return (sums / counts.clamp(min=1))[mb.seq_ids]
+        per_seq.index_add_(1, mb.seq_ids, per_token)
+        *sums, counts = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
+        if gspo:
+            updates["seq_log_ratio"] = (sums[0] / counts.clamp(min=1))[mb.seq_ids]
+        if seq_weights:
+            updates["rollout_weights"] = weights_of(
+                correction, sequence_log_ratio(correction, sums[-1], counts)[mb.seq_ids], mask
+            )
+        return replace(mb, **updates)
 
     def _prepared(self, batch: "list[Sample] | PreparedBatch", inputs: tuple[str, ...]) -> PreparedBatch:
         if not isinstance(batch, PreparedBatch):
@@ -473,9 +501,8 @@ class Engine:
     @torch.no_grad()
     def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
         """Per-token log-probabilities of each sample's labels (and entropies), in the samples' order."""
-        packed: list[torch.Tensor] = []  # per sample in packing order: [tokens, 1 or 2]
-        cp_mesh = self.parallel_dims.mesh("cp")
         batch = self._agree(self._prepare(samples, ()))
+        shares, per_token = [], []
         for mb, attention in zip(batch.shares, batch.attention):
             mb = mb.to(self.device)
             with self._autocast():
@@ -488,22 +515,31 @@ class Engine:
                     with_entropy=with_entropy,
                     **self._logprob_options(),
                 )
-            per_token = torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1)
-            if mb.is_padding:
-                continue
-            if cp_mesh is not None:
-                # Per-token scalars only (never logits), and only outside training.
-                per_token = gather_from_cp_ranks(per_token, mb.cp_layout, cp_mesh)
-            packed.extend(per_token[: sum(mb.seq_lens)].cpu().split(mb.seq_lens))
+            shares.append(mb)
+            per_token.append(torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1))
         # The root (and, under the "default" and "never" policies, blocks) keep their parameters
         # gathered after forward for the backward that usually follows; with no backward,
         # release every group so that an optimizer step cannot leave a stale gathered copy
         # behind (and ``parameters()`` yields the sharded ones again).
         reshard(self.model)
-        per_sample = [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
+        per_sample = self._per_sample(batch, shares, per_token)
         return ForwardResult(
             [values[:, 0] for values in per_sample], [values[:, -1] for values in per_sample] if with_entropy else None
         )
+
+    def _per_sample(self, batch: PreparedBatch, shares: list[MicroBatch], per_token: list[torch.Tensor]):
+        """Each sample's rows of the per-token values ``[tokens of a share, k]`` of ``shares``
+        (``batch``'s, on the device), in the samples' order, on the CPU; gathered over ``cp``."""
+        cp_mesh = self.parallel_dims.mesh("cp")
+        packed: list[torch.Tensor] = []  # per sample in packing order
+        for mb, values in zip(shares, per_token):
+            if mb.is_padding:
+                continue
+            if cp_mesh is not None:
+                # Per-token scalars only (never logits).
+                values = gather_from_cp_ranks(values, mb.cp_layout, cp_mesh)
+            packed.extend(values[: sum(mb.seq_lens)].cpu().split(mb.seq_lens))
+        return [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
 
     def optim_step(self) -> dict[str, torch.Tensor | float]:
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm)

@@ -14,6 +14,7 @@ import torchtitan_rl.engine as engine_module
 from generator_cases import run_generator_checks
 from lora_cases import run_lora_checks
 from moe_cases import run_moe_checks
+from proximal_cases import run_proximal_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
 from rollout_rank_cases import run_rollout_rank_checks
@@ -134,23 +135,23 @@ def run_gspo_cp_mutant(dims: ParallelDims, results: dict) -> None:
     layout = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
     if dims.cp == 1 or layout not in lc.RL_LAYOUTS:
         return
-    sequence_log_ratio = engine_module.Engine._sequence_log_ratio
+    sequence_inputs = engine_module.Engine._sequence_inputs
     reduce = engine_module.all_reduce
 
     def per_share(self, *args):
         engine_module.all_reduce = lambda t, op, mesh: t
         try:
-            return sequence_log_ratio(self, *args)
+            return sequence_inputs(self, *args)
         finally:
             engine_module.all_reduce = reduce
 
     case = ("gspo", "sequence_mean", 24, ("rl",), False)
     mutant: dict = {}
-    engine_module.Engine._sequence_log_ratio = per_share
+    engine_module.Engine._sequence_inputs = per_share
     try:
         run_layout(dims, False, mutant, [case])
     finally:
-        engine_module.Engine._sequence_log_ratio = sequence_log_ratio
+        engine_module.Engine._sequence_inputs = sequence_inputs
     prefix = f"rep{dims.dp_replicate}_shard{dims.dp_shard}_cp{dims.cp}_tp{dims.tp}"
     results[f"mutant/{case_key(prefix, *case)}"] = mutant[case_key(prefix, *case)]
 
@@ -415,6 +416,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_rollout_exchange_checks(dims, results)  # on rl_cases.EXCHANGE_LAYOUTS only
         run_vlm_checks(dims, results)  # on vlm_cases.VLM_LAYOUTS only
         run_vlm_grpo_checks(dims, results)  # on vlm_grpo_cases.VLM_GRPO_LAYOUTS only
+        run_proximal_checks(dims, results)  # on proximal_cases.PROXIMAL_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only

@@ -242,6 +242,10 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
             [*GRPO, "--rl.use_reference", "true"],
             ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"],
         ),
+        (
+            [*GRPO, "--rl.proximal", "recompute"],
+            ["rl.proximal: without rl.rollout_correction", "no proximal policy is computed"],
+        ),
         ([*GRPO, "--rl.task", "dataset"], ["rl.task_path: set it to the .jsonl, .json or .parquet file"]),
         ([*GRPO, "--rl.task", "jsonl"], ["rl.task: unknown task 'jsonl'", "'dataset'", "'package.module:name'"]),
         ([*GRPO, "--rl.task_path", "x.jsonl"], ["rl.task_path: only used with rl.task = 'dataset' or a task factory"]),

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torchtitan_rl.recipes.grpo as grpo
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.recipes.grpo import GRPORecipe
+from torchtitan_rl.rl.proximal import set_proximal_logprobs
 
 
 def recipe_without_model(**fields) -> GRPORecipe:
@@ -43,8 +44,7 @@ def test_the_sampler_mismatch_is_measured_on_rollouts_of_the_same_weights_only()
         torch.tensor([-9.0, -2.5]),  # 2.0
         torch.tensor([-3.125, -9.0, -0.25]),  # 0.125, 0.0
     ]
-    engine = SimpleNamespace(forward=lambda given: SimpleNamespace(logprobs=proximal))
-    values = recipe_without_model(engine=engine)._recompute_proximal_logprobs(samples, step)
+    values = set_proximal_logprobs(samples, proximal, step, None)
     assert values == {
         "rl/sampler_logprob_diff_mean": pytest.approx((0.25 + 0.5 + 0.125 + 0.0) / 4),
         "rl/sampler_logprob_diff_max": pytest.approx(0.5),
@@ -53,7 +53,7 @@ def test_the_sampler_mismatch_is_measured_on_rollouts_of_the_same_weights_only()
     }
     assert samples[1].prox_logprobs.tolist() == [0.0, -2.5]  # the proximal policy's, on loss tokens
     # A step whose rollouts all lag (rollout ranks ahead by K) has no mismatch to report.
-    stale_only = recipe_without_model(engine=engine)._recompute_proximal_logprobs(samples, step + 1)
+    stale_only = set_proximal_logprobs(samples, proximal, step + 1, None)
     assert set(stale_only) == {"rl/stale_logprob_diff_mean", "rl/stale_logprob_diff_max"}
     assert stale_only["rl/stale_logprob_diff_mean"] == pytest.approx((0.25 + 0.5 + 2.0 + 0.125 + 0.0) / 5)
 

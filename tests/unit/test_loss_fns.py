@@ -361,13 +361,30 @@ def test_config_section_fails_closed():
         "kl_estimator": "k2",
         "entropy_coef": 0.0,
         "proximal_logprobs": False,
+        "current_proximal": False,
         "rollout_weights": False,
+        "rollout_correction": None,
     }
     # Unset clip bounds are each loss function's own: GSPO's are the paper's.
     gspo = loss_fn_from_config(Loss(loss_fn="gspo"))
     assert (gspo.options["clip_low"], gspo.options["clip_high"]) == (3e-4, 4e-4)
     with pytest.raises(ValueError, match=r"loss_fn_config.rollout_weights: loss_fn 'cross_entropy' has no ratio"):
         resolve_loss_fn("cross_entropy", {"rollout_weights": True})
+    tis = {"mode": "tis", "level": "token", "max_ratio": 2.0, "min_ratio": 0.5}
+    for config, fragment in (
+        ({"proximal_logprobs": True, "current_proximal": True}, "the proximal policy is one or the other"),
+        ({"rollout_correction": tis}, "rollout_correction: computed in the loss pass only under current_proximal"),
+        (
+            {"current_proximal": True, "rollout_correction": tis, "rollout_weights": True},
+            "the weights are computed or given, not both",
+        ),
+        ({"current_proximal": True, "rollout_correction": "tis"}, "expected a RolloutCorrection or its fields"),
+    ):
+        with pytest.raises(ValueError, match=fragment):
+            resolve_loss_fn("ppo", config)
+    # The pass computes the weights and the proximal log-probs: neither is an input.
+    fused = resolve_loss_fn("ppo", {"current_proximal": True, "rollout_correction": tis})
+    assert fused.inputs == ("advantages", "sampler_logprobs")
 
 
 @pytest.mark.parametrize(

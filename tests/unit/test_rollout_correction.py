@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtitan_rl.data.sample import Sample
-from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction, correction_weights
+from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 
 MAX, MIN = 1.5, 0.7
 
@@ -65,8 +65,10 @@ def expected_weights(sample: Sample, mode: str, level: str) -> list[float]:
 def test_weights_follow_each_formula(mode, level):
     config = RolloutCorrection(mode, level, MAX, MIN)
     weights = []
-    for sample in samples_with_mismatch():
-        got = correction_weights(sample, config)
+    samples = samples_with_mismatch()
+    apply_rollout_correction(samples, config, None)
+    for sample in samples:
+        got = sample.rollout_weights
         assert got.dtype == torch.float32
         expected = expected_weights(sample, mode, level)
         assert got.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)

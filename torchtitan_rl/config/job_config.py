@@ -505,9 +505,17 @@ class RL:
 
     num_minibatches: int = bounded(1, ge=1)
     """Optimizer steps per pass over a rollout batch. With more than one (or ppo_epochs > 1, a
-    rollout correction, or rl.max_staleness > 0) the policy's log-probs before the update are recomputed (the proximal
-    policy pi_prox) and are the ratio's denominator (decoupled PPO); the sampler's log-probs are
-    kept apart for the correction."""
+    rollout correction, or rl.max_staleness > 0) the ratio's denominator is the proximal policy
+    pi_prox, the policy before the update (decoupled PPO), and the sampler's log-probs are kept
+    apart for the correction; see rl.proximal for where pi_prox's log-probs come from."""
+
+    proximal: Literal["auto", "recompute"] = "auto"
+    """Where the proximal policy's log-probs come from. auto: when the update is the only
+    optimizer step on its rollouts (ppo_epochs = 1, num_minibatches = 1, max_staleness = 0),
+    pi_prox is the policy being trained, so they are the update's own forward (detached) and the
+    rollout-correction weights are computed inside the loss pass: no separate forward over the
+    rollouts; otherwise a separate forward before the update recomputes them. recompute: that
+    separate forward whenever pi_prox is used (the same numbers up to float rounding)."""
 
     rollout_correction: Literal["none", "tis", "mis", "icepop", "geo_mask"] = "none"
     """Weight of each token's policy term for the sampler/trainer mismatch, with
@@ -516,7 +524,7 @@ class RL:
     icepop: rho where min <= rho <= max, else 0. geo_mask: 1 where the sequence's geometric
     mean ratio is in [min, max], else 0 (per sequence: set rl.rollout_correction_level =
     "sequence"). none: 1. A weight of 0 masks
-    the token (it still counts in the reduction). Recomputes pi_prox every step."""
+    the token (it still counts in the reduction). Uses pi_prox every step (rl.proximal)."""
 
     rollout_correction_level: Literal["token", "sequence"] = "token"
     """Whether rho is each token's ratio or its sequence's product of ratios (tis, mis, icepop);

@@ -122,6 +122,13 @@ def _check_recipe(cfg) -> None:
         raise ValueError("loss.kl_coef: the KL penalty needs the reference model; set rl.use_reference = true")
     if rl.use_reference and loss.kl_coef == 0:
         raise ValueError("rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0")
+    one_update = rl.ppo_epochs == 1 and rl.num_minibatches == 1 and rl.max_staleness == 0
+    if rl.proximal == "recompute" and one_update and rl.rollout_correction == "none":
+        raise ValueError(
+            "rl.proximal: without rl.rollout_correction and with one optimizer step on fresh rollouts the ratio "
+            "is to the sampler's log-probs and no proximal policy is computed; 'recompute' only applies with a "
+            "correction, rl.ppo_epochs > 1, rl.num_minibatches > 1 or rl.max_staleness > 0"
+        )
     _check_task(cfg)
     if cfg.checkpoint.initial_load_path and not cfg.checkpoint.initial_load_model_only:
         raise ValueError(

@@ -90,41 +90,60 @@ class Sample:
 
 
 def find_input_problem(samples: list[Sample], needed: tuple[str, ...]) -> str | None:
-    """The first reason the ``needed`` inputs (names of ``RL_TOKEN_INPUTS`` or ``group_id``)
-    of ``samples`` cannot be used, or None.
+    """A reason the ``needed`` inputs (names of ``RL_TOKEN_INPUTS`` or ``group_id``) of
+    ``samples`` cannot be used, or None: the first sample's with a missing input or one of the
+    wrong kind, else the first sample's with a bad value.
 
     Non-finite values are refused everywhere, loss mask or not: a NaN multiplied by a zero
     weight is still NaN.
     """
+    where = lambda i: f"sample {i} of this rank's {len(samples)}"  # noqa: E731
     for i, sample in enumerate(samples):
-        where = f"sample {i} of this rank's {len(samples)}"
         for name in _TOKEN_FIELDS:
             value = getattr(sample, name)
             if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-                return f"{where}: {name} is on {value.device}; a sample's tensors live on the CPU (see Sample)"
+                return f"{where(i)}: {name} is on {value.device}; a sample's tensors live on the CPU (see Sample)"
         for name in needed:
             value = getattr(sample, name)
             if value is None:
-                return f"{where} has no {name}"
+                return f"{where(i)} has no {name}"
             if name == "group_id":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    return f"{where}: group_id must be an int >= 0 (the prompt group's index), got {value!r}"
+                    return f"{where(i)}: group_id must be an int >= 0 (the prompt group's index), got {value!r}"
                 continue
             if not isinstance(value, torch.Tensor) or value.shape != sample.labels.shape:
                 shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                return f"{where}: {name} must be a tensor of shape {tuple(sample.labels.shape)} (one value per label), got {shape}"
+                return f"{where(i)}: {name} must be a tensor of shape {tuple(sample.labels.shape)} (one value per label), got {shape}"
             if not value.is_floating_point():
-                return f"{where}: {name} must be floating point, got {value.dtype}"
-            finite = torch.isfinite(value)
-            if not bool(finite.all()):
-                t = int((~finite).nonzero()[0])
-                return f"{where}: {name}[{t}] = {float(value[t])} is not finite (use 0 where the loss mask is 0)"
-            if name == "rollout_weights" and float(value.min()) < 0:
-                t = int(value.argmin())
-                return f"{where}: rollout_weights[{t}] = {float(value[t]):.4g} is negative (a weight is >= 0; 0 masks)"
-            if name.endswith("logprobs") and float(value.max()) > _MAX_LOGPROB:
-                t = int(value.argmax())
-                return f"{where}: {name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"
+                return f"{where(i)}: {name} must be floating point, got {value.dtype}"
+    # The values of all samples at once (a check per sample costs more than the checks); only a
+    # bad batch is searched sample by sample for the culprit.
+    for name in needed:
+        if (
+            name == "group_id"
+            or not samples
+            or _value_problem(name, torch.cat([getattr(s, name) for s in samples])) is None
+        ):
+            continue
+        for i, sample in enumerate(samples):
+            problem = _value_problem(name, getattr(sample, name))
+            if problem is not None:
+                return f"{where(i)}: {problem}"
+    return None
+
+
+def _value_problem(name: str, value: torch.Tensor) -> str | None:
+    """Why the values of input ``name`` cannot be used, naming the first bad position; or None."""
+    finite = torch.isfinite(value)
+    if not bool(finite.all()):
+        t = int((~finite).nonzero()[0])
+        return f"{name}[{t}] = {float(value[t])} is not finite (use 0 where the loss mask is 0)"
+    if name == "rollout_weights" and float(value.min()) < 0:
+        t = int(value.argmin())
+        return f"rollout_weights[{t}] = {float(value[t]):.4g} is negative (a weight is >= 0; 0 masks)"
+    if name.endswith("logprobs") and float(value.max()) > _MAX_LOGPROB:
+        t = int(value.argmax())
+        return f"{name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"
     return None
 
 

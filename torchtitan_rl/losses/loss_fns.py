@@ -22,10 +22,16 @@ Policy terms, with ``A`` the advantage, ``r = exp(logp_θ − logp_old)`` and
 | `cispo`               | −sg(clip(r))·A·logp_θ  (sg: no gradient through the weight)    |
 | `gspo`                | max(−s·A, −clip(s)·A), s = sg(s_i)·exp(logp_θ − sg(logp_θ))   |
 
-``logp_old`` is the sampler's log-prob (behaviour policy), or with the recipe option
-``proximal_logprobs`` the proximal policy's, recomputed before the update (decoupled PPO).
-With ``rollout_weights`` every policy term is multiplied by the token's rollout-correction
-weight (``rl/rollout_correction.py``; no gradient through it, 0 masks the token).
+``logp_old`` is the sampler's log-prob (behaviour policy), or the proximal policy's (decoupled
+PPO): with the recipe option ``proximal_logprobs`` recomputed before the update, with
+``current_proximal`` the update's own, ``sg(logp_θ)``, exact when the update is the only
+optimizer step on its rollouts (the proximal policy is then the policy being trained, and the
+forward that would recompute it is the update's own). With ``rollout_weights`` every policy
+term is multiplied by the token's rollout-correction weight (given with the samples;
+``rl/rollout_correction.py``; no gradient through it, 0 masks the token); with
+``rollout_correction`` (a ``RolloutCorrection``, under ``current_proximal``) the loss pass
+computes those weights itself from ``sg(logp_θ) − logp_sampler``: per token inside each logits
+chunk, per sequence from the engine's sequence pass, which completes the sums first.
 
 GSPO's ratio belongs to a whole sequence: ``s_i = exp(mean of logp_θ − logp_old over the
 sequence's loss tokens)``, computed by the engine before the loss over every token of the
@@ -47,11 +53,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.data.packing import MicroBatch
 from torchtitan_rl.distributed.utils import all_reduce
+from torchtitan_rl.losses.rollout_weights import MAX_LOG_RATIO, RolloutCorrection, weights_of
 from torchtitan_rl.losses.router import RouterMetrics
 
-# log(p_θ / q) is clamped to ±20 before exp (e^20 ≈ 5e8): a stale or mismatched sampler
-# log-prob cannot overflow a ratio, and the clamp sits far outside any clip range.
-MAX_LOG_RATIO = 20.0
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOW_VAR_KL_MAX = 10.0
 
@@ -73,21 +77,29 @@ class LossFnSpec:
 # Keys every loss function takes.
 SHARED_OPTIONS = {"kl_coef": 0.0, "kl_estimator": "low_var_kl", "entropy_coef": 0.0}
 # Keys an RL recipe sets from its own settings ([rl]), never read from [loss]: the ratio's
-# denominator is the recomputed proximal policy (decoupled PPO), and the policy term carries
-# each token's rollout-correction weight.
-RECIPE_OPTIONS = {"proximal_logprobs": False, "rollout_weights": False}
+# denominator is the recomputed proximal policy or the current one (decoupled PPO), and the
+# policy term carries each token's rollout-correction weight, given or computed in the pass.
+RECIPE_OPTIONS = {
+    "proximal_logprobs": False,
+    "current_proximal": False,
+    "rollout_weights": False,
+    "rollout_correction": None,
+}
 _CLIP_OPTIONS = {"clip_low": 0.2, "clip_high": 0.2}
 # GSPO's sequence ratios sit much closer to 1 than token ratios: its authors' clip range.
 GSPO_CLIP_OPTIONS = {"clip_low": 3e-4, "clip_high": 4e-4}
 
 
-def old_logprobs(mb: MicroBatch, options: dict[str, Any]) -> torch.Tensor:
-    """The ratio's denominator: the proximal policy's log-probs, or the sampler's."""
+def old_logprobs(mb: MicroBatch, options: dict[str, Any], logprobs: torch.Tensor) -> torch.Tensor:
+    """The ratio's denominator: the proximal policy's log-probs (recomputed, or the current
+    ``logprobs`` without gradient), or the sampler's."""
+    if options["current_proximal"]:
+        return logprobs.detach()
     return mb.prox_logprobs if options["proximal_logprobs"] else mb.sampler_logprobs
 
 
 def _ratio(logprobs: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> torch.Tensor:
-    return (logprobs - old_logprobs(mb, options)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    return (logprobs - old_logprobs(mb, options, logprobs)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
 
 
 def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> list[Stat]:
@@ -101,7 +113,7 @@ def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch, 
         ("logprob_diff_mean", "mean", mismatch),
         ("logprob_diff_max", "max", mismatch),
         # k1 of the ratio's old policy from the current one: how far the update has moved.
-        ("ppo_kl", "mean", old_logprobs(mb, options) - logprobs.detach()),
+        ("ppo_kl", "mean", old_logprobs(mb, options, logprobs) - logprobs.detach()),
         ("advantage_mean", "mean", mb.advantages),
     ]
 
@@ -205,6 +217,7 @@ class LossFn:
         """The sample inputs the loss reads."""
         kl = ("ref_logprobs",) if self.options["kl_coef"] > 0 else ()
         proximal = ("prox_logprobs",) if self.options["proximal_logprobs"] else ()
+        # With rollout_correction the pass computes the weights: they are no input.
         weights = ("rollout_weights",) if self.options["rollout_weights"] else ()
         return LOSS_FNS[self.name].inputs + proximal + weights + kl
 
@@ -240,7 +253,14 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
         if key in RECIPE_OPTIONS:
             if value and not ratio_based:
                 raise ValueError(f"{key_prefix}{key}: loss_fn {name!r} has no ratio to an old policy")
-            options[key] = bool(value)
+            if key == "rollout_correction":
+                if isinstance(value, dict):
+                    value = RolloutCorrection(**value)
+                if value is not None and not isinstance(value, RolloutCorrection):
+                    raise ValueError(f"{key_prefix}{key}: expected a RolloutCorrection or its fields, got {value!r}")
+                options[key] = None if value is None or value.mode == "none" else value
+            else:
+                options[key] = bool(value)
             continue
         if key not in valid:
             raise ValueError(f"{key_prefix}{key}: not an option of loss_fn {name!r}; its options: {', '.join(valid)}")
@@ -263,6 +283,17 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
             )
     if options["kl_coef"] < 0:
         raise ValueError(f"{key_prefix}kl_coef: must be >= 0, got {options['kl_coef']}")
+    if options["proximal_logprobs"] and options["current_proximal"]:
+        raise ValueError(f"{key_prefix}proximal_logprobs and current_proximal: the proximal policy is one or the other")
+    if options["rollout_correction"] is not None and not options["current_proximal"]:
+        raise ValueError(
+            f"{key_prefix}rollout_correction: computed in the loss pass only under current_proximal "
+            "(otherwise give each token's weight with rollout_weights)"
+        )
+    if options["rollout_correction"] is not None and options["rollout_weights"]:
+        raise ValueError(
+            f"{key_prefix}rollout_correction and rollout_weights: the weights are computed or given, not both"
+        )
     if options["kl_estimator"] not in KL_ESTIMATORS:
         raise ValueError(
             f"{key_prefix}kl_estimator: {options['kl_estimator']!r} is not one of {', '.join(KL_ESTIMATORS)}"
@@ -305,8 +336,14 @@ class TokenTerms:
 
 def token_terms(loss: LossFn, logprobs: torch.Tensor, entropy: torch.Tensor | None, mb: MicroBatch) -> TokenTerms:
     policy, stats = LOSS_FNS[loss.name].policy_term(logprobs, mb, loss.options)
-    if loss.options["rollout_weights"]:
-        policy = policy * mb.rollout_weights
+    weights = mb.rollout_weights  # given, or set by the engine's sequence pass
+    correction = loss.options["rollout_correction"]
+    if weights is None and correction is not None:
+        # Per token: from this chunk's own log-probs, the proximal (current) policy's.
+        log_ratio = torch.where(mb.loss_mask, logprobs.detach() - mb.sampler_logprobs, 0.0)
+        weights = weights_of(correction, log_ratio, mb.loss_mask)
+    if weights is not None:
+        policy = policy * weights
     kl = None
     if loss.options["kl_coef"] > 0:
         kl = kl_penalty(logprobs, mb.ref_logprobs, loss.options["kl_estimator"])
@@ -412,6 +449,8 @@ class ForwardBackwardMetrics:
     counts: torch.Tensor  # global counts, see losses.reduction
     terms: LossMetrics  # the loss's terms and statistics (rl/* tags)
     router: RouterMetrics | None = None  # MoE models only
+    # Each sample's per-token log-probs before the update, in the samples' order (on request).
+    logprobs: list[torch.Tensor] | None = None
 
 
 _NUM_LOSS_TOKENS = "num_loss_tokens"

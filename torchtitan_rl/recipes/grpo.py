@@ -8,8 +8,8 @@ compute advantages (with ``rl.dynamic_sampling``, over further rounds of prompts
 step has enough groups with signal); with ``training.balance_dp_compute`` (the default) move
 samples between data-parallel ranks so each mini-batch's work is even; optionally recompute the policy's
 log-probs before the update (the proximal policy, kept apart from the sampler's) with the
-rollout correction's weights, and the reference's (KL); then ``ppo_epochs`` passes of
-``num_minibatches`` optimizer steps.
+rollout correction's weights, unless the update's own forward provides them (``rl.proximal``),
+and the reference's (KL); then ``ppo_epochs`` passes of ``num_minibatches`` optimizer steps.
 With LoRA the reference is the policy's own model with its adapters off (no second copy of the
 weights), and weight syncs after the first carry only the adapters.
 The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
@@ -54,12 +54,12 @@ from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
 from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.plugins import calling_user_code
+from torchtitan_rl.rl.proximal import proximal_source, set_proximal_logprobs
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
 from torchtitan_rl.rl.rollout_ranks import (
     RolloutClient,
     WeightSender,
     is_version_sent,
-    staleness,
 )
 from torchtitan_rl.rl.rollout_topology import build_rollout_topology
 from torchtitan_rl.rl.rollouts import (
@@ -93,20 +93,17 @@ class GRPORecipe(Recipe):
         self.correction = RolloutCorrection(
             rl.rollout_correction, rl.rollout_correction_level, rl.rollout_correction_max, rl.rollout_correction_min
         )
-        # Later updates move the policy away from the sampler's weights, and a correction needs
-        # the policy the update starts from: then pi_prox is recomputed and is the ratio's
-        # denominator, while the sampler's log-probs stay the behaviour policy's. Stale rollouts
-        # (rl.max_staleness) were sampled by an older policy than the one the update starts from.
-        self.recompute_proximal = (
-            rl.ppo_epochs > 1 or rl.num_minibatches > 1 or self.correction.mode != "none" or rl.max_staleness > 0
-        )
+        self.proximal = proximal_source(rl, self.correction)
+        corrected = self.correction.mode != "none"
         loss = loss_fn_from_config(job_config.loss)
         self.loss_fn = resolve_loss_fn(
             loss.name,
             {
                 **loss.options,
-                "proximal_logprobs": self.recompute_proximal,
-                "rollout_weights": self.correction.mode != "none",
+                "proximal_logprobs": self.proximal == "recomputed",
+                "current_proximal": self.proximal == "current",
+                "rollout_weights": corrected and self.proximal == "recomputed",
+                "rollout_correction": self.correction if corrected and self.proximal == "current" else None,
             },
             key_prefix="loss.",
         )
@@ -405,19 +402,29 @@ class GRPORecipe(Recipe):
                     reference = base_logprobs(self.engine, all_samples)
                 for sample, logprobs in zip(all_samples, reference):
                     sample.ref_logprobs = logprobs
-        if self.recompute_proximal:
+        if self.proximal == "recomputed":
             with timed(times, "old_logprobs"):
-                values.update(self._recompute_proximal_logprobs(all_samples, step))
-        if self.correction.mode != "none":
-            values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
+                values.update(
+                    set_proximal_logprobs(
+                        all_samples, self.engine.forward(all_samples).logprobs, step, dims.mesh("batch")
+                    )
+                )
+            if self.correction.mode != "none":
+                values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
 
         with timed(times, "train"):
-            updates, terms, num_trained = self._update(minibatches)
+            updates, terms, num_trained, logprobs = self._update(minibatches)
         values.update(combine_updates(updates) or self._no_update_values())
         if terms:
             merged = LossMetrics.combine(terms).reduce(dims.mesh("loss"))
             values.update({tag: float(value) for tag, value in merged.items()})
-        if not self.recompute_proximal and "rl/logprob_diff_mean" in values:
+        if self.proximal == "current" and logprobs is not None:
+            # The update's own log-probs were pi_prox's: the same metrics as from a separate pass
+            # (the correction's weights, set again here, are those the loss pass computed).
+            values.update(set_proximal_logprobs(all_samples, logprobs, step, dims.mesh("batch")))
+            if self.correction.mode != "none":
+                values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
+        if self.proximal == "sampler" and "rl/logprob_diff_mean" in values:
             # One update at the sampler's weights (no staleness): its |logp - logp_sampler| is the mismatch.
             values["rl/sampler_logprob_diff_mean"] = values["rl/logprob_diff_mean"]
             values["rl/sampler_logprob_diff_max"] = values["rl/logprob_diff_max"]
@@ -475,38 +482,6 @@ class GRPORecipe(Recipe):
         cfg = self.job_config
         return [to_samples(mb, cfg.training.seq_len, cfg.rl.mask_truncated, self.vision) for mb in minibatches]
 
-    def _recompute_proximal_logprobs(self, samples: list[Sample], step: int) -> dict[str, float]:
-        """Set each sample's ``prox_logprobs`` to the policy's before the update (the weights
-        after step ``step - 1``, trainer numerics; the sampler's own stay as they are) and return
-        |log pi_prox - log pi_sampler| over completion tokens, apart for the rollouts those same
-        weights sampled (``rl/sampler_logprob_diff_*``: the sampler/trainer numeric mismatch)
-        and for rollouts of older weights (``rl/stale_logprob_diff_*``: the policy's drift since
-        they were sampled, mismatch included); each only on steps that have such rollouts."""
-        proximal = self.engine.forward(samples).logprobs
-        # Row 0: the same weights' rollouts, row 1: older weights'; columns Σ|delta|, tokens.
-        sums = torch.zeros(2, 2, dtype=torch.float64)
-        largest = torch.zeros(2, dtype=torch.float64)
-        for sample, logprobs in zip(samples, proximal):
-            logprobs = logprobs.cpu().float()
-            delta = (logprobs - sample.sampler_logprobs)[sample.loss_mask].abs().double()
-            stale = int(staleness(step, sample.sampler_version) > 0)
-            sums[stale, 0] += delta.sum()
-            sums[stale, 1] += delta.numel()
-            if delta.numel():
-                largest[stale] = torch.maximum(largest[stale], delta.max())
-            sample.prox_logprobs = torch.where(sample.loss_mask, logprobs, 0.0)
-        batch = self.parallel_dims.mesh("batch")
-        if batch is not None:
-            dist.all_reduce(sums, group=batch.get_group())
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=batch.get_group())
-        values = {}
-        for row, name in enumerate(("sampler", "stale")):
-            total, num_tokens = sums[row].tolist()
-            if num_tokens:
-                values[f"rl/{name}_logprob_diff_mean"] = total / num_tokens
-                values[f"rl/{name}_logprob_diff_max"] = float(largest[row])
-        return values
-
     def _generate_tps(self, num_generated: int, seconds: float) -> float:
         """``throughput/generate_tps``: tokens generated per second per generating rank, i.e. the
         step's tokens of every generating rank over their number and the slowest one's
@@ -523,24 +498,31 @@ class GRPORecipe(Recipe):
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=dims.trainer_group())
         return float(tokens[0]) / dims.world_size / max(float(slowest[0]), 1e-9)
 
-    def _update(self, minibatches: list[list[Sample]]) -> tuple[list[dict[str, float]], list[LossMetrics], int]:
+    def _update(
+        self, minibatches: list[list[Sample]]
+    ) -> tuple[list[dict[str, float]], list[LossMetrics], int, list[torch.Tensor] | None]:
         """``ppo_epochs`` passes of one optimizer step per mini-batch; a mini-batch that is empty
-        on every rank (all its groups filtered) is skipped, not stepped with a zero gradient."""
+        on every rank (all its groups filtered) is skipped, not stepped with a zero gradient.
+        With the current policy as pi_prox (one mini-batch, one epoch) also the update's own
+        log-probs of the samples, detached (None when the mini-batch was skipped)."""
         rl = self.job_config.rl
         counts = torch.tensor([len(mb) for mb in minibatches], dtype=torch.int64)
         batch = self.parallel_dims.mesh("batch")
         if batch is not None:
             dist.all_reduce(counts, group=batch.get_group())
-        updates, terms, num_trained = [], [], 0
+        updates, terms, num_trained, logprobs = [], [], 0, None
+        with_logprobs = self.proximal == "current"
+        assert not with_logprobs or (rl.ppo_epochs == 1 and len(minibatches) == 1), "pi_prox is the current policy"
         for _ in range(rl.ppo_epochs):
             for samples, count in zip(minibatches, counts.tolist()):
                 if count == 0:
                     continue
-                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options)
+                fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options, with_logprobs)
                 updates.append(self.metrics.reduce_update(fb, self.engine.optim_step(), with_terms=False))
                 terms.append(fb.terms)
                 num_trained += int(fb.counts[NUM_TOKENS])
-        return updates, terms, num_trained
+                logprobs = fb.logprobs
+        return updates, terms, num_trained, logprobs
 
     def _no_update_values(self) -> dict[str, float]:
         return {

@@ -22,70 +22,12 @@ only on a sample's own log-probs, so they are the same for any parallel layout; 
 are sums over every sample of the step (``rl/rollout_corr/*``).
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.data.sample import Sample
-from torchtitan_rl.losses.loss_fns import MAX_LOG_RATIO
-
-ROLLOUT_CORRECTIONS = ("none", "tis", "mis", "icepop", "geo_mask")
-CORRECTION_LEVELS = ("token", "sequence")
-
-
-@dataclass(frozen=True)
-class RolloutCorrection:
-    mode: str = "none"
-    level: str = "token"
-    max_ratio: float = 2.0
-    min_ratio: float = 0.5
-
-    def __post_init__(self):
-        if self.mode not in ROLLOUT_CORRECTIONS:
-            raise ValueError(f"rl.rollout_correction: {self.mode!r} is not one of {', '.join(ROLLOUT_CORRECTIONS)}")
-        if self.level not in CORRECTION_LEVELS:
-            raise ValueError(
-                f"rl.rollout_correction_level: {self.level!r} is not one of {', '.join(CORRECTION_LEVELS)}"
-            )
-        if not 0 <= self.min_ratio < self.max_ratio:
-            raise ValueError(
-                f"rl.rollout_correction_min={self.min_ratio} and rl.rollout_correction_max={self.max_ratio}: "
-                "need 0 <= min < max"
-            )
-
-
-def log_ratios(sample: Sample) -> torch.Tensor:
-    """``log ρ_t = log π_prox − log π_behave`` per token, float64, 0 off the loss mask."""
-    return torch.where(sample.loss_mask, sample.prox_logprobs.double() - sample.sampler_logprobs.double(), 0.0)
-
-
-def correction_weights(
-    sample: Sample, config: RolloutCorrection, log_ratio: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The sample's per-token weights ``[n]`` (float32; 0 off the loss mask), from its
-    ``log_ratios`` (computed here unless given)."""
-    mask = sample.loss_mask
-    log_ratio = log_ratios(sample) if log_ratio is None else log_ratio
-    if config.mode == "geo_mask":
-        mean = log_ratio.sum() / mask.sum().clamp(min=1)
-        keep = (config.min_ratio <= mean.exp()) & (mean.exp() <= config.max_ratio)
-        return torch.where(mask & keep, 1.0, 0.0).float()
-    if config.level == "sequence":
-        log_ratio = torch.where(mask, log_ratio.sum(), 0.0)
-    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
-    if config.mode == "tis":
-        weights = ratio.clamp(max=config.max_ratio)
-    elif config.mode == "mis":
-        weights = torch.where(ratio <= config.max_ratio, ratio, 0.0)
-    elif config.mode == "icepop":
-        weights = torch.where((config.min_ratio <= ratio) & (ratio <= config.max_ratio), ratio, 0.0)
-    else:
-        assert config.mode == "none", config.mode
-        weights = torch.ones_like(ratio)
-    return torch.where(mask, weights, 0.0).float()
-
+from torchtitan_rl.losses.rollout_weights import MAX_LOG_RATIO, RolloutCorrection, sequence_log_ratio, weights_of
 
 # Sums over the step's samples, reduced over the `batch` mesh (CP / TP peers hold copies).
 _SUMS = ("loss_tokens", "weight", "weight_sq", "masked_tokens", "sequences", "masked_sequences", "k1", "k3")
@@ -102,28 +44,41 @@ def apply_rollout_correction(
     weights, and KL(π_behave ‖ π_prox) estimated from the sampled tokens, ``k1`` = −log ρ and
     ``k3`` = ρ − 1 − log ρ (per token).
     """
-    sums = dict.fromkeys(_SUMS, 0.0)
-    largest = 0.0
-    for sample in samples:
-        log_ratio = log_ratios(sample)
-        weights = correction_weights(sample, config, log_ratio)
-        sample.rollout_weights = weights
-        mask = sample.loss_mask
-        if not mask.any():
-            continue
+    # All samples at once (a loop per sample costs more than the sums on the host).
+    values = torch.zeros(len(_SUMS), dtype=torch.float64)
+    maximum = torch.zeros(1, dtype=torch.float64)
+    if samples:
+        lengths = [len(sample) for sample in samples]
+        mask = torch.cat([sample.loss_mask for sample in samples])
+        prox = torch.cat([sample.prox_logprobs for sample in samples]).double()
+        log_ratio = torch.where(mask, prox - torch.cat([sample.sampler_logprobs for sample in samples]).double(), 0.0)
+        seq = torch.repeat_interleave(torch.arange(len(samples)), torch.tensor(lengths))
+        # Per sample: Σ log ρ over its loss tokens, their count.
+        per_seq = torch.zeros(2, len(samples), dtype=torch.float64)
+        per_seq.index_add_(1, seq, torch.stack((log_ratio, mask.double())))
+        token_value = log_ratio
+        if config.per_sequence:
+            token_value = sequence_log_ratio(config, per_seq[0], per_seq[1])[seq]
+        weights = weights_of(config, token_value, mask)
+        for sample, sample_weights in zip(samples, weights.split(lengths)):
+            sample.rollout_weights = sample_weights.clone()  # not a view: a sample may be pickled alone
         w = weights[mask].double()
         log_ratio = log_ratio[mask].clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        sums["loss_tokens"] += w.numel()
-        sums["weight"] += float(w.sum())
-        sums["weight_sq"] += float(w.square().sum())
-        sums["masked_tokens"] += float((w == 0).sum())
-        sums["sequences"] += 1
-        sums["masked_sequences"] += float((w == 0).any())
-        sums["k1"] += float((-log_ratio).sum())
-        sums["k3"] += float((torch.expm1(log_ratio) - log_ratio).sum())
-        largest = max(largest, float(w.max()))
-    values = torch.tensor(list(sums.values()), dtype=torch.float64)
-    maximum = torch.tensor([largest], dtype=torch.float64)
+        masked = torch.zeros(len(samples), dtype=torch.float64).index_add_(0, seq[mask], (w == 0).double())
+        values = torch.stack(
+            [
+                torch.tensor(float(w.numel()), dtype=torch.float64),
+                w.sum(),
+                w.square().sum(),
+                (w == 0).double().sum(),
+                (per_seq[1] > 0).double().sum(),
+                (masked > 0).double().sum(),
+                (-log_ratio).sum(),
+                (torch.expm1(log_ratio) - log_ratio).sum(),
+            ]
+        )
+        if w.numel():
+            maximum = w.max().reshape(1)
     if batch_mesh is not None:
         dist.all_reduce(values, group=batch_mesh.get_group())
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=batch_mesh.get_group())
