@@ -667,10 +667,10 @@ class Generation:
 
     compile: bool = False
     """Compile the generator's decode step: one graph per bucket of running rows (powers of two
-    from 8, up to the KV cache's rows), with CUDA graphs on CUDA (mode="reduce-overhead"). Worth
-    it on GPUs, where an eager decode step of a small batch is bound by kernel launches; each
-    bucket compiles once per run (seconds to minutes), and again when a multi-turn episode grows
-    the KV cache."""
+    from 8, up to the KV cache's rows) and of cache slots (powers of two from 64: a cache may
+    hold up to twice the slots its rows need), with CUDA graphs on CUDA (mode="reduce-overhead").
+    Worth it on GPUs, where an eager decode step of a small batch is bound by kernel launches;
+    each bucket compiles once per run (seconds to minutes)."""
 
 
 @dataclass
