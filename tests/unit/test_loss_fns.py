@@ -379,6 +379,7 @@ def test_config_section_fails_closed():
             "the weights are computed or given, not both",
         ),
         ({"current_proximal": True, "rollout_correction": "tis"}, "expected a RolloutCorrection or its fields"),
+        ({"current_proximal": True, "rollout_correction": {"mode": "tis", "cap": 2}}, "unknown field 'cap'"),
     ):
         with pytest.raises(ValueError, match=fragment):
             resolve_loss_fn("ppo", config)

@@ -255,6 +255,9 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
                 raise ValueError(f"{key_prefix}{key}: loss_fn {name!r} has no ratio to an old policy")
             if key == "rollout_correction":
                 if isinstance(value, dict):
+                    unknown = set(value) - set(RolloutCorrection.__dataclass_fields__)
+                    if unknown:
+                        raise ValueError(f"{key_prefix}{key}: unknown field {sorted(unknown)[0]!r}")
                     value = RolloutCorrection(**value)
                 if value is not None and not isinstance(value, RolloutCorrection):
                     raise ValueError(f"{key_prefix}{key}: expected a RolloutCorrection or its fields, got {value!r}")
