@@ -269,6 +269,7 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
     assert max(baseline["rl/groups_mixed"].values()) > 0
     assert min(baseline["grad_norm"].values()) > 0 and max(baseline["rl/kl"].values()) > 0
     assert "rl/rollout_corr/kl_k3" in baseline  # the correction ran
+    assert "time/old_logprobs_s" in baseline  # two mini-batches: pi_prox from a separate forward
     assert "on 4 training rank(s)" in layout_runs["tp_log"]
 
 
