@@ -103,6 +103,27 @@ def time_alternating(
     return {name: statistics.median(values) for name, values in seconds.items()}
 
 
+def peak_bytes(run: Callable[[], object], device) -> int:
+    """Peak bytes allocated during ``run()`` above what was allocated before it: CUDA's
+    allocator statistics on a GPU, the profiler's memory events on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchtitan_rl.profiling import cpu_memory_timeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run()
+    return cpu_memory_timeline(prof)["peak_allocated_bytes"]
+
+
 def ratio(value: float, reference: float, digits: int = 2) -> str:
     """``value / reference`` as ``"1.23x"``; ``"—"`` when the reference is zero."""
     return f"{value / reference:.{digits}f}x" if reference else "—"

@@ -54,6 +54,7 @@ from bench_common import (
     alternating_order,
     launch_workers,
     markdown_table,
+    peak_bytes,
     print_result,
     publish,
     ratio,
@@ -114,26 +115,6 @@ def build_generator(workload: Workload, device, compile_mode: bool | None):
     return gen, params, schedule
 
 
-def profiled_peak_bytes(run, device) -> int:
-    """Peak bytes allocated during ``run()`` above what was allocated before it."""
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        run()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    from torch.profiler import ProfilerActivity, profile
-
-    from torchtitan_rl.profiling import cpu_memory_timeline
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run()
-    return cpu_memory_timeline(prof)["peak_allocated_bytes"]
-
-
 # ------------------------------------------------------------------------- before / after on CPU ranks
 
 
@@ -166,7 +147,7 @@ def worker(config: dict) -> None:
     start = time.perf_counter()
     rollouts = run()
     seconds = time.perf_counter() - start
-    peak = profiled_peak_bytes(run, device) if config["profile_memory"] else None
+    peak = peak_bytes(run, device) if config["profile_memory"] else None
     mine = {
         "seconds": seconds,
         "peak_bytes": peak,
@@ -312,7 +293,7 @@ def device_main(args, workload_for) -> None:
         }
         outputs = {mode: run() for mode, run in runs.items()}  # warm-up (compiles every bucket)
         median = time_alternating(runs, args.rounds, warmup=0)
-        peaks = {mode: profiled_peak_bytes(run, device) for mode, run in runs.items()}
+        peaks = {mode: peak_bytes(run, device) for mode, run in runs.items()}
         eager = [r.completion_tokens for r in outputs["eager"]] if "eager" in outputs else None
         for mode in modes:
             tokens = sum(len(r.completion_tokens) for r in outputs[mode])

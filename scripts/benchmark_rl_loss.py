@@ -16,14 +16,12 @@ import argparse
 import dataclasses
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench_common import add_publish_args, markdown_table, publish, ratio, time_alternating
+from bench_common import add_publish_args, markdown_table, peak_bytes, publish, ratio, time_alternating
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
-from torchtitan_rl.profiling import cpu_memory_timeline
 from torchtitan_rl.recipes.base import build_model
 
 LOSSES = {
@@ -55,19 +53,6 @@ def make_samples(num: int, seq_len: int, vocab: int) -> list[Sample]:
             )
         )
     return samples
-
-
-def peak_bytes(step, device: torch.device) -> int:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    return cpu_memory_timeline(prof)["peak_allocated_bytes"]
 
 
 def main() -> None:

@@ -354,9 +354,7 @@ class Engine:
             counts=counts,
             terms=metrics,
             router=router_metrics,
-            logprobs=[
-                values[:, 0] for values in self._per_sample(batch, microbatches, [lp[:, None] for lp, _ in outputs])
-            ]
+            logprobs=[values[:, 0] for values in self._per_sample(batch, [lp[:, None] for lp, _ in outputs])]
             if with_logprobs
             else None,
         )
@@ -502,7 +500,7 @@ class Engine:
     def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
         """Per-token log-probabilities of each sample's labels (and entropies), in the samples' order."""
         batch = self._agree(self._prepare(samples, ()))
-        shares, per_token = [], []
+        per_token = []
         for mb, attention in zip(batch.shares, batch.attention):
             mb = mb.to(self.device)
             with self._autocast():
@@ -515,24 +513,24 @@ class Engine:
                     with_entropy=with_entropy,
                     **self._logprob_options(),
                 )
-            shares.append(mb)
             per_token.append(torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1))
         # The root (and, under the "default" and "never" policies, blocks) keep their parameters
         # gathered after forward for the backward that usually follows; with no backward,
         # release every group so that an optimizer step cannot leave a stale gathered copy
         # behind (and ``parameters()`` yields the sharded ones again).
         reshard(self.model)
-        per_sample = self._per_sample(batch, shares, per_token)
+        per_sample = self._per_sample(batch, per_token)
         return ForwardResult(
             [values[:, 0] for values in per_sample], [values[:, -1] for values in per_sample] if with_entropy else None
         )
 
-    def _per_sample(self, batch: PreparedBatch, shares: list[MicroBatch], per_token: list[torch.Tensor]):
-        """Each sample's rows of the per-token values ``[tokens of a share, k]`` of ``shares``
-        (``batch``'s, on the device), in the samples' order, on the CPU; gathered over ``cp``."""
+    def _per_sample(self, batch: PreparedBatch, per_token: list[torch.Tensor]):
+        """Each sample's rows of the per-token values ``[tokens of a share, k]`` of ``batch``'s
+        shares, in the samples' order, on the CPU; gathered over ``cp``. Reads only the host
+        shares' layout, so no micro-batch's device copy outlives its own pass."""
         cp_mesh = self.parallel_dims.mesh("cp")
         packed: list[torch.Tensor] = []  # per sample in packing order
-        for mb, values in zip(shares, per_token):
+        for mb, values in zip(batch.shares, per_token, strict=True):
             if mb.is_padding:
                 continue
             if cp_mesh is not None:
