@@ -44,7 +44,7 @@ from torchtitan_rl.data.chat import tokenize_prompt_row  # noqa: E402
 from torchtitan_rl.data.tokenizer import build_tokenizer, stop_token_ids  # noqa: E402
 from torchtitan_rl.rl.env_rollouts import decode_completion  # noqa: E402
 from torchtitan_rl.rl.length_shaping import shape_overlong  # noqa: E402
-from torchtitan_rl.rl.tasks import build_task  # noqa: E402
+from torchtitan_rl.rl.tasks import task_from_config  # noqa: E402
 
 
 class StepClock(TrainerCallback):
@@ -97,18 +97,7 @@ def main() -> None:
     rl, generation = cfg.rl, cfg.generation
     if rl.advantage not in ("grpo", "dr_grpo"):
         raise ValueError(f"rl.advantage = {rl.advantage!r}: TRL has the group-normalized advantages grpo and dr_grpo")
-    task = build_task(
-        rl.task,
-        path=rl.task_path,
-        eval_path=rl.eval_task_path,
-        num_train=rl.num_train_prompts,
-        num_eval=0,  # the train pool of a seed does not depend on the eval pool
-        seed=cfg.debug.seed,
-        partial_credit=rl.partial_credit,
-        format_reward=rl.format_reward,
-        answer_match=rl.answer_match,
-        reward_fn=rl.reward_fn,
-    )
+    task = task_from_config(rl, cfg.debug.seed, num_eval=0)  # the train pool does not depend on the eval pool
     problems = list(task.train_problems)
     run_tokenizer = build_tokenizer(cfg.model.hf_assets_path)
     stop_ids = set(stop_token_ids(run_tokenizer, generation.stop_tokens))

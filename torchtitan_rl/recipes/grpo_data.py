@@ -23,10 +23,9 @@ from torchtitan_rl.recipes.base import (
 from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import PromptImages, SamplingParams, TorchGenerator
 from torchtitan_rl.rl.plugins import calling_user_code
-from torchtitan_rl.rl.tasks import GENERATED_TASKS, Problem, Task, build_task
+from torchtitan_rl.rl.tasks import GENERATED_TASKS, Problem, Task, task_from_config
 
 _GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # generation.dtype but "auto"
-_BUILTIN_POOL_SIZE = 1000  # rl.num_train_prompts = 0 on a task that draws its problems
 
 
 @dataclass(frozen=True)
@@ -62,19 +61,8 @@ def read_task(run: RunContext) -> TaskData:
         if not rl.sft_warmup_only:
             check_lora_reference(cfg)
     generated = rl.task in GENERATED_TASKS
-    task = build_task(
-        rl.task,
-        path=rl.task_path,
-        eval_path=rl.eval_task_path,
-        num_train=rl.num_train_prompts or (_BUILTIN_POOL_SIZE if generated else 0),
-        # Rows held out for an evaluation that never runs would only be lost to training.
-        num_eval=rl.num_eval_prompts if rl.eval_interval else 0,
-        seed=cfg.debug.seed,
-        partial_credit=rl.partial_credit,
-        format_reward=rl.format_reward,
-        answer_match=rl.answer_match,
-        reward_fn=rl.reward_fn,
-    )
+    # Rows held out for an evaluation that never runs would only be lost to training.
+    task = task_from_config(rl, cfg.debug.seed, num_eval=rl.num_eval_prompts if rl.eval_interval else 0)
     if warmup and not generated and not task.spare_problems:
         # Warming up on the RL prompts' own answers would hand RL the rewards it is meant to find.
         raise ValueError(

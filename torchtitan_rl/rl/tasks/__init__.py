@@ -134,3 +134,24 @@ __all__ = [
     "check_task_name",
     "check_task_settings",
 ]
+
+
+# Problems drawn for rl.num_train_prompts = 0 from a task that generates them.
+_BUILTIN_POOL_SIZE = 1000
+
+
+def task_from_config(rl, seed: int, num_eval: int) -> Task:
+    """``build_task`` from a config's ``[rl]`` section, holding out ``num_eval`` problems."""
+    generated = rl.task in GENERATED_TASKS
+    return build_task(
+        rl.task,
+        path=rl.task_path,
+        eval_path=rl.eval_task_path,
+        num_train=rl.num_train_prompts or (_BUILTIN_POOL_SIZE if generated else 0),
+        num_eval=num_eval,
+        seed=seed,
+        partial_credit=rl.partial_credit,
+        format_reward=rl.format_reward,
+        answer_match=rl.answer_match,
+        reward_fn=rl.reward_fn,
+    )
