@@ -1,5 +1,6 @@
 """Independent references shared by the tests: the reduction modes as written in docs/design.md ('Loss weights'),
-a clean environment for launching training processes, and ``train.py`` run in this process."""
+Tinker's built-in losses as their documentation writes them, a clean environment for launching
+training processes, and ``train.py`` run in this process."""
 
 import contextlib
 import importlib.util
@@ -34,6 +35,33 @@ def minibatch_loss(seq_sums: list, seq_loss_tokens: list, mode: str, horizon: in
         means = [group_sums[g] / group_tokens[g] for g in group_sums if group_tokens[g] > 0]
         return sum(means) / len(means) if means else sum(seq_sums) * 0
     raise AssertionError(f"no layout-invariant reference for {mode}")
+
+
+def tinker_loss(loss_fn: str, logp: torch.Tensor, inputs: dict, config: dict) -> torch.Tensor:
+    """A Tinker built-in loss of one datum as its documentation writes it: the per-token term
+    of the target log-probs ``logp`` and the datum's ``loss_fn_inputs``, summed over positions
+    (``config``: its ``loss_fn_config``, defaults 0.8 / 1.2 and beta 0.05)."""
+    if loss_fn == "cross_entropy":
+        return (-logp * inputs["weights"]).sum()
+    q, advantages = inputs["logprobs"], inputs["advantages"]
+    low = config.get("clip_low_threshold", 0.8)
+    high = config.get("clip_high_threshold", 1.2)
+    ratio = torch.exp(logp - q)
+    if loss_fn == "importance_sampling":
+        return -(ratio * advantages).sum()
+    if loss_fn == "ppo":
+        return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages).sum()
+    if loss_fn == "cispo":
+        return -(torch.clamp(ratio, low, high).detach() * logp * advantages).sum()
+    if loss_fn == "dro":
+        beta = config.get("beta", 0.05)
+        return -(logp * advantages - 0.5 * beta * (logp - q) ** 2).sum()
+    assert loss_fn == "gspo", loss_fn
+    in_ratio = inputs["sequence_ratio_mask"] != 0
+    # A mask without any position: log-ratio 0 (the documented mean of nothing is NaN).
+    log_ratio = (logp.detach() - q)[in_ratio].mean() if in_ratio.any() else torch.zeros(())
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages).sum()
 
 
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

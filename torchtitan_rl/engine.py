@@ -363,8 +363,9 @@ class Engine:
     def _sequence_inputs(self, mb: MicroBatch, hidden: torch.Tensor, loss) -> MicroBatch:
         """``mb`` with what its loss needs of whole sequences before any token's loss: GSPO's
         ``seq_log_ratio`` (each token's ``mean(logp_θ − logp_old)`` over its sequence's loss
-        tokens, 0 for a sequence without any) and a per-sequence rollout correction's weights
-        (from ``Σ_t log ρ_t`` over the sequence's loss tokens, ``ρ_t`` = current / sampler).
+        tokens, or its ``ratio_mask``'s; 0 for a sequence without any) and a per-sequence
+        rollout correction's weights (from ``Σ_t log ρ_t`` over the sequence's loss tokens,
+        ``ρ_t`` = current / sampler).
 
         Their log-probs come from a gradient-free pass of the output head over ``hidden`` (no
         model forward). A sequence is never split over micro-batches, but its tokens may be
@@ -391,17 +392,24 @@ class Engine:
         )
         logprobs = logprobs.float()
         old = old_logprobs(mb, options, logprobs)
-        rows = ([logprobs - old] if gspo else []) + ([old - mb.sampler_logprobs] if seq_weights else [])
-        per_token = torch.stack([torch.where(mask, row, 0.0) for row in rows] + [mask.float()])
+        # (tokens, values) of each per-sequence mean; GSPO's over its ratio mask when it has one.
+        ratio_tokens = mb.ratio_mask != 0 if options["ratio_mask"] else mask
+        rows = ([(ratio_tokens, logprobs - old)] if gspo else []) + (
+            [(mask, old - mb.sampler_logprobs)] if seq_weights else []
+        )
+        per_token = torch.stack(
+            [torch.where(tokens, row, 0.0) for tokens, row in rows] + [tokens.float() for tokens, _ in rows]
+        )
         per_seq = torch.zeros(len(per_token), mb.num_seqs, device=self.device)
         # Bitwise repeatable on CUDA only under debug.deterministic (index_add_ uses atomics there).
         per_seq.index_add_(1, mb.seq_ids, per_token)
-        *sums, counts = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
+        per_seq = all_reduce(per_seq, "sum", self.parallel_dims.mesh("cp"))
+        sums, counts = per_seq[: len(rows)], per_seq[len(rows) :]
         if gspo:
-            updates["seq_log_ratio"] = (sums[0] / counts.clamp(min=1))[mb.seq_ids]
+            updates["seq_log_ratio"] = (sums[0] / counts[0].clamp(min=1))[mb.seq_ids]
         if seq_weights:
             updates["rollout_weights"] = weights_of(
-                correction, sequence_log_ratio(correction, sums[-1], counts)[mb.seq_ids], mask
+                correction, sequence_log_ratio(correction, sums[-1], counts[-1])[mb.seq_ids], mask
             )
         return replace(mb, **updates)
 

@@ -19,6 +19,7 @@ from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
 from rollout_rank_cases import run_rollout_rank_checks
 from rollout_timeout_cases import run_rollout_timeout_checks
+from tinker_cases import run_tinker_checks
 from torchtitan_rl.compat import all_gather_autograd
 from torchtitan_rl.data.balance import assign_to_ranks
 from torchtitan_rl.data.sample import Sample
@@ -419,6 +420,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_proximal_checks(dims, results)  # on proximal_cases.PROXIMAL_LAYOUTS only
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
+        run_tinker_checks(dims, results)  # on tinker_cases.TINKER_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only

@@ -83,6 +83,8 @@ def _sample(n: int, loss_from: int, seed: int) -> Sample:
         prox_logprobs=-torch.rand(n, generator=gen),
         rollout_weights=torch.rand(n, generator=gen),
         ref_logprobs=-torch.rand(n, generator=gen),
+        loss_weights=torch.randn(n, generator=gen),
+        ratio_mask=(torch.rand(n, generator=gen) < 0.5).float(),
         group_id=seed // 2,
     )
 

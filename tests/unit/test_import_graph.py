@@ -35,7 +35,9 @@ LAYERS = {
     f"{PACKAGE}.hf_checkpoint": 5,
     f"{PACKAGE}.peft_checkpoint": 6,
     f"{PACKAGE}.checkpoint": 7,
-    f"{PACKAGE}.recipes": 8,  # builds and runs everything; the rules on a config that need its parts
+    # The Tinker-compatible service: its HTTP layer, the dispatch of operations, the clients.
+    f"{PACKAGE}.service": 8,
+    f"{PACKAGE}.recipes": 9,  # builds and runs everything; the rules on a config that need its parts
 }
 
 

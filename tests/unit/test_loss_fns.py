@@ -364,6 +364,10 @@ def test_config_section_fails_closed():
         "current_proximal": False,
         "rollout_weights": False,
         "rollout_correction": None,
+        # Set only by a program (the Tinker service), never from the section.
+        "loss_weights": False,
+        "ratio_mask": False,
+        "max_log_ratio": MAX_LOG_RATIO,
     }
     # Unset clip bounds are each loss function's own: GSPO's are the paper's.
     gspo = loss_fn_from_config(Loss(loss_fn="gspo"))

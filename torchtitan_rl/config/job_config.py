@@ -30,10 +30,12 @@ class Job:
     description: str = ""
     """Free-form description of the run, for humans."""
 
-    recipe: Literal["sft", "grpo"] = "sft"
+    recipe: Literal["sft", "grpo", "service"] = "sft"
     """sft: supervised fine-tuning on training.dataset. grpo: RL from verifiable rewards: the
     policy samples completions of a task's prompts ([rl], [generation]), a verifier rewards
-    them, and the loss of [loss] trains on group advantages."""
+    them, and the loss of [loss] trains on group advantages. service: a Tinker-compatible
+    training service ([service]): clients of the tinker SDK train LoRA adapters of the model
+    and sample from them over HTTP."""
 
 
 @dataclass
@@ -674,6 +676,36 @@ class Generation:
 
 
 @dataclass
+class Service:
+    """The Tinker-compatible service (job.recipe = "service"): rank 0 serves the tinker SDK's
+    HTTP API; every rank runs the accepted operations in one order. Training clients are LoRA
+    adapters of the [model] (lora.rank is the largest rank a client may ask for, on the layers
+    of lora.target_modules), with an AdamW state each; loss.reduction must be "sum"."""
+
+    host: str = "127.0.0.1"
+    """Address the HTTP server binds; the loopback default serves this machine only."""
+
+    port: int = bounded(8000, ge=0, le=65535)
+    """TCP port of the HTTP server; 0 picks a free one (logged, and written to
+    job.dump_folder/service.json)."""
+
+    api_key: str = ""
+    """When set, requests must carry it as X-API-Key (the SDK's api_key / TINKER_API_KEY); empty
+    accepts any key."""
+
+    base_models: list[str] = field(default_factory=lambda: ["Qwen/Qwen3-8B"])
+    """The base_model names clients may ask for; all of them name this launch's [model] (one
+    model per launch: its weights fill the ranks). The first is reported as the model's name."""
+
+    lora_alpha: float = bounded(32.0, gt=0)
+    """Every client's adapters are scaled by lora_alpha / (the client's rank)."""
+
+    keepalive_seconds: float = bounded(5.0, gt=0)
+    """While no operation is queued, rank 0 tells the other ranks it is alive this often, so that
+    an idle service never runs into comm.collective_timeout_seconds."""
+
+
+@dataclass
 class Metrics:
     """Logging."""
 
@@ -816,6 +848,7 @@ class JobConfig:
     lora: LoRA = field(default_factory=LoRA)
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)
+    service: Service = field(default_factory=Service)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

@@ -95,6 +95,11 @@ def non_default_keys(section) -> list[str]:
 
 def _check_recipe(cfg) -> None:
     """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
+    if cfg.job.recipe != "service" and non_default_keys(cfg.service):
+        raise ValueError(f"service.{non_default_keys(cfg.service)[0]}: only used with job.recipe = 'service'")
+    if cfg.job.recipe == "service":
+        _check_service(cfg)
+        return
     if cfg.job.recipe == "sft":
         for name in ("rl", "generation"):
             unused = non_default_keys(getattr(cfg, name))
@@ -294,3 +299,36 @@ def _check_checkpoint(cfg) -> None:
             # Fail closed: a saving or resuming option on a run that never checkpoints is a
             # forgotten checkpoint.enable.
             raise ValueError(f"checkpoint.{key}: only used with checkpoint.enable = true")
+
+
+# How the service's sampler replica is built; what a sample request carries is the request's.
+_SERVICE_GENERATION_KEYS = ("dtype", "max_prompts_per_batch", "compile")
+
+
+def _check_service(cfg) -> None:
+    """The service trains LoRA clients on plain sums (Tinker's losses), from requests, not data."""
+    unused = [f"rl.{key}" for key in non_default_keys(cfg.rl)] + [
+        f"generation.{key}" for key in non_default_keys(cfg.generation) if key not in _SERVICE_GENERATION_KEYS
+    ]
+    if unused:
+        raise ValueError(f"{unused[0]}: not used by job.recipe = 'service' (sampling requests carry their own)")
+    if cfg.checkpoint.enable:
+        raise ValueError(
+            "checkpoint.enable: job.recipe = 'service' saves each client's state when the client asks (save_state); "
+            "set checkpoint.enable = false (checkpoint.initial_load_path still gives the base weights)"
+        )
+    if cfg.lora.train_embeddings:
+        raise ValueError("lora.train_embeddings: Tinker's LoRA clients train adapters only; set it to false")
+    if cfg.parallelism.rollout_ranks:
+        raise ValueError("parallelism.rollout_ranks: job.recipe = 'service' samples on the training ranks")
+    if not cfg.lora.enable:
+        raise ValueError("lora.enable: job.recipe = 'service' trains LoRA clients; set lora.enable = true")
+    if cfg.lora.dropout > 0:
+        raise ValueError("lora.dropout: Tinker's LoRA has no dropout; set lora.dropout = 0")
+    if cfg.loss.reduction != "sum":
+        raise ValueError(
+            f"loss.reduction: job.recipe = 'service' computes Tinker's losses, plain sums over tokens and datums "
+            f"(clients normalize through their weights); set loss.reduction = 'sum', not {cfg.loss.reduction!r}"
+        )
+    if not cfg.service.base_models:
+        raise ValueError("service.base_models: name at least one base model")

@@ -5,12 +5,21 @@ from dataclasses import dataclass
 
 import torch
 
-# Optional per-token RL inputs of a sample, each aligned with ``labels`` (value t belongs to
-# the prediction of labels[t]), float32.
-RL_TOKEN_INPUTS = ("advantages", "sampler_logprobs", "prox_logprobs", "rollout_weights", "ref_logprobs")
+# Optional per-token inputs of a sample that losses read (RL's, and the per-token weights and
+# GSPO ratio masks of a caller that weighs tokens itself), each aligned with ``labels`` (value t
+# belongs to the prediction of labels[t]), float32.
+RL_TOKEN_INPUTS = (
+    "advantages",
+    "sampler_logprobs",
+    "prox_logprobs",
+    "rollout_weights",
+    "ref_logprobs",
+    "loss_weights",
+    "ratio_mask",
+)
 # Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
 # not a log-probability (e.g. probabilities or logits passed by mistake).
-_MAX_LOGPROB = math.log1p(1e-2)
+MAX_LOGPROB = math.log1p(1e-2)
 _TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", *RL_TOKEN_INPUTS, "vision_rows")
 
 
@@ -44,8 +53,11 @@ class Sample:
     policy, never overwritten), ``prox_logprobs`` (the proximal policy's, recomputed by the
     trainer before an update when the recipe needs them), ``rollout_weights`` (each token's
     rollout-correction weight, >= 0) and ``ref_logprobs`` (a frozen reference policy), and the
-    index ``group_id`` of their prompt group in the mini-batch. All travel with the labels
-    through packing and every split.
+    index ``group_id`` of their prompt group in the mini-batch. A caller that weighs tokens
+    itself (the Tinker service) also gives ``loss_weights`` (a factor of each token's loss, any
+    sign) and, for GSPO, ``ratio_mask`` (non-zero on the tokens whose log-ratios the sequence
+    ratio averages); each is read only by a loss configured to (``losses.loss_fns``,
+    ``PROGRAM_OPTIONS``). All travel with the labels through packing and every split.
 
     Every tensor of a sample lives on the CPU: planning, packing and the context-parallel split
     run on the host, and the engine moves whole micro-batches to the device.
@@ -59,6 +71,8 @@ class Sample:
     prox_logprobs: torch.Tensor | None = None  # [n] float
     rollout_weights: torch.Tensor | None = None  # [n] float
     ref_logprobs: torch.Tensor | None = None  # [n] float
+    loss_weights: torch.Tensor | None = None  # [n] float
+    ratio_mask: torch.Tensor | None = None  # [n] float, non-zero = in the sequence ratio
     group_id: int | None = None
     # RL: the version of the weights that sampled the completion (the RL step they are from),
     # which tells the sampler/trainer mismatch apart from staleness (``rl/*_logprob_diff_*``).
@@ -141,7 +155,7 @@ def _value_problem(name: str, value: torch.Tensor) -> str | None:
     if name == "rollout_weights" and float(value.min()) < 0:
         t = int(value.argmin())
         return f"rollout_weights[{t}] = {float(value[t]):.4g} is negative (a weight is >= 0; 0 masks)"
-    if name.endswith("logprobs") and float(value.max()) > _MAX_LOGPROB:
+    if name.endswith("logprobs") and float(value.max()) > MAX_LOGPROB:
         t = int(value.argmax())
         return f"{name}[{t}] = {float(value[t]):.4g} is a log-probability above 0"
     return None

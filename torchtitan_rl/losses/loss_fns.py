@@ -34,16 +34,23 @@ computes those weights itself from ``sg(logp_θ) − logp_sampler``: per token i
 chunk, per sequence from the engine's sequence pass, which completes the sums first.
 
 GSPO's ratio belongs to a whole sequence: ``s_i = exp(mean of logp_θ − logp_old over the
-sequence's loss tokens)``, computed by the engine before the loss over every token of the
-sequence, whichever CP rank or logits chunk holds it (``Engine``'s sequence pass). Each token
-carries ``s_i`` in value and the gradient of its own log-prob (straight-through), so with
-``loss.reduction = "sequence_mean"`` the gradient is GSPO's ``∇ s_i = s_i · mean_t ∇logp_θ``;
-the clip zeroes the gradient of a whole sequence.
+sequence's loss tokens)`` (with ``ratio_mask``: over the tokens where the sample's
+``ratio_mask`` is non-zero; 0 when there are none, so ``s_i = 1``), computed by the engine
+before the loss over every token of the sequence, whichever CP rank or logits chunk holds it
+(``Engine``'s sequence pass). Each token carries ``s_i`` in value and the gradient of its own
+log-prob (straight-through), so with ``loss.reduction = "sequence_mean"`` the gradient is
+GSPO's ``∇ s_i = s_i · mean_t ∇logp_θ``; the clip zeroes the gradient of a whole sequence.
 
 KL estimators, with ``Δ = logp_θ − logp_ref``: ``k1`` = Δ, ``k2`` = Δ²/2, ``k3`` =
 exp(−Δ) − 1 + Δ, ``low_var_kl`` = min(k3, 10) (the default: the clamped ``k3``).
+
+Ratios are ``exp`` of the log-ratio clamped to ``±max_log_ratio`` (default ``MAX_LOG_RATIO``,
+20). A caller that needs the unguarded formula (the Tinker service, ``service/tinker_losses.py``)
+raises the bound to ``FLOAT32_MAX_LOG_RATIO``, where the clamp only binds on ratios that would
+overflow float32 or lie below its normal range.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,6 +95,16 @@ RECIPE_OPTIONS = {
 _CLIP_OPTIONS = {"clip_low": 0.2, "clip_high": 0.2}
 # GSPO's sequence ratios sit much closer to 1 than token ratios: its authors' clip range.
 GSPO_CLIP_OPTIONS = {"clip_low": 3e-4, "clip_high": 4e-4}
+# The largest float32 log-ratio whose exp is finite: log(float32 max) rounds up to a float32
+# whose exp overflows, so one float32 below it.
+FLOAT32_MAX_LOG_RATIO = float(
+    torch.nextafter(torch.tensor(math.log(torch.finfo(torch.float32).max)), torch.tensor(0.0))
+)
+# Keys only a program sets (the Tinker service), never the [loss] section: each token's loss
+# multiplied by the sample's ``loss_weights`` (any sign; through the reduction weight, so every
+# term alike), GSPO's sequence mean taken over the sample's ``ratio_mask`` instead of its loss
+# tokens, and the bound on the log-ratio before exp (see the module docstring).
+PROGRAM_OPTIONS = {"loss_weights": False, "ratio_mask": False, "max_log_ratio": MAX_LOG_RATIO}
 
 
 def old_logprobs(mb: MicroBatch, options: dict[str, Any], logprobs: torch.Tensor) -> torch.Tensor:
@@ -99,7 +116,8 @@ def old_logprobs(mb: MicroBatch, options: dict[str, Any], logprobs: torch.Tensor
 
 
 def _ratio(logprobs: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> torch.Tensor:
-    return (logprobs - old_logprobs(mb, options, logprobs)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    bound = options["max_log_ratio"]
+    return (logprobs - old_logprobs(mb, options, logprobs)).clamp(-bound, bound).exp()
 
 
 def _sampler_stats(logprobs: torch.Tensor, ratio: torch.Tensor, mb: MicroBatch, options: dict[str, Any]) -> list[Stat]:
@@ -166,7 +184,7 @@ def _gspo(logprobs, mb, options):
     adv = mb.advantages
     # Value: the sequence's log-ratio; gradient: the token's own log-prob (straight-through).
     log_ratio = mb.seq_log_ratio + (logprobs - logprobs.detach())
-    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()
+    ratio = log_ratio.clamp(-options["max_log_ratio"], options["max_log_ratio"]).exp()
     lower, upper = 1.0 - options["clip_low"], 1.0 + options["clip_high"]
     # Not sg(clip(s)): where the branches tie (s inside the bounds) maximum splits the gradient
     # between them, and clamp passes its half through only while s is inside.
@@ -219,7 +237,8 @@ class LossFn:
         proximal = ("prox_logprobs",) if self.options["proximal_logprobs"] else ()
         # With rollout_correction the pass computes the weights: they are no input.
         weights = ("rollout_weights",) if self.options["rollout_weights"] else ()
-        return LOSS_FNS[self.name].inputs + proximal + weights + kl
+        program = tuple(name for name in ("loss_weights", "ratio_mask") if self.options[name])
+        return LOSS_FNS[self.name].inputs + proximal + weights + kl + program
 
     @property
     def needs_sequence_log_ratio(self) -> bool:
@@ -249,7 +268,11 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
     options = dict(valid)
     ratio_based = "sampler_logprobs" in LOSS_FNS[name].inputs
     options.update(RECIPE_OPTIONS)
+    options.update(PROGRAM_OPTIONS)
     for key, value in (config or {}).items():
+        if key in PROGRAM_OPTIONS:
+            options[key] = _program_option(name, key_prefix + key, key, value, ratio_based)
+            continue
         if key in RECIPE_OPTIONS:
             if value and not ratio_based:
                 raise ValueError(f"{key_prefix}{key}: loss_fn {name!r} has no ratio to an old policy")
@@ -302,6 +325,22 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
             f"{key_prefix}kl_estimator: {options['kl_estimator']!r} is not one of {', '.join(KL_ESTIMATORS)}"
         )
     return LossFn(name, options)
+
+
+def _program_option(name: str, where: str, key: str, value, ratio_based: bool):
+    """A checked value of ``PROGRAM_OPTIONS[key]`` for loss function ``name``."""
+    if key == "max_log_ratio":
+        if not ratio_based:
+            raise ValueError(f"{where}: loss_fn {name!r} has no ratio to an old policy")
+        value = _number(where, value)
+        if value <= 0:
+            raise ValueError(f"{where}: must be > 0, got {value}")
+        return value
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: expected true or false, got {value!r}")
+    if key == "ratio_mask" and value and not LOSS_FNS[name].sequence_log_ratio:
+        raise ValueError(f"{where}: loss_fn {name!r} has no sequence ratio")
+    return value
 
 
 def loss_fn_from_config(section) -> LossFn:

@@ -70,9 +70,13 @@ def token_weights(mb: MicroBatch, mode: str, counts: torch.Tensor, horizon: int)
     """``w_t`` for every token of a (device-resident) micro-batch, float32.
 
     Denominators are clamped to >= 1: a count of 0 means no token has a non-zero mask, so
-    the weights are 0 either way and never NaN.
+    the weights are 0 either way and never NaN. A micro-batch carrying ``loss_weights`` (the
+    loss reads them) has each token's weight multiplied by its own: still a per-token factor,
+    so the layout cannot change it.
     """
     mask = mb.loss_mask.to(torch.float32)
+    if mb.loss_weights is not None:
+        mask = mask * mb.loss_weights
     if mode == "sum":
         return mask
     if mode == "token_mean":
