@@ -50,7 +50,7 @@ def timed(run, warmup: int, steps: int) -> float:
     return statistics.median(times)
 
 
-def measure_sdk(args) -> dict:
+def measure_sdk(args, num_datums: int) -> dict:
     import tinker
     from tinker import types
 
@@ -65,7 +65,7 @@ def measure_sdk(args) -> dict:
                     model_input=types.ModelInput.from_ints(tokens),
                     loss_fn_inputs={"target_tokens": targets, "weights": weights},
                 )
-                for tokens, targets, weights in sl_rows(args.datums, args.length, 0)
+                for tokens, targets, weights in sl_rows(num_datums, args.length, 0)
             ]
             adam = types.AdamParams(learning_rate=1e-4)
 
@@ -107,7 +107,7 @@ def worker(args) -> None:
             train_attn=True, train_mlp=True, train_unembed=True)  # fmt: skip
         data = [
             TinkerDatum(tokens, {"target_tokens": torch.tensor(targets), "weights": torch.tensor(weights)})
-            for tokens, targets, weights in sl_rows(args.datums, args.length, 0)
+            for tokens, targets, weights in sl_rows(args.datums[0], args.length, 0)
         ]
         adam = dict(learning_rate=1e-4, beta1=0.9, beta2=0.95, eps=1e-12, weight_decay=0.0, grad_clip_norm=0.0)
 
@@ -130,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--datums", type=int, default=16)
+    parser.add_argument("--datums", type=int, nargs="+", default=[16, 64], help="SL batch sizes, one row each")
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=2)
@@ -144,40 +144,43 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    worker_args = [a for a in sys.argv[1:] if a not in ("--no-write",)]
-    direct, sdk = [], []
-    for round_index in range(args.rounds):
-        order = ("direct", "sdk") if round_index % 2 == 0 else ("sdk", "direct")
-        for side in order:
-            if side == "direct":
-                result = launch_workers(__file__, args.ranks, worker_args)
-                if "error" in result:
-                    raise SystemExit(f"direct run failed: {result['error']}")
-                direct.append(result)
-            else:
-                sdk.append(measure_sdk(args))
-    step_direct = statistics.median(r["step_s"] for r in direct)
-    step_sdk = statistics.median(r["step_s"] for r in sdk)
-    tps_direct = statistics.median(r["tokens_per_s"] for r in direct)
-    tps_sdk = statistics.median(r["tokens_per_s"] for r in sdk)
+    rows, summary_parts = [], []
+    for num_datums in args.datums:
+        worker_args = [a for a in sys.argv[1:] if a != "--no-write"]
+        if "--datums" in worker_args:  # the worker runs one size
+            at = worker_args.index("--datums")
+            worker_args = worker_args[:at] + worker_args[at + 1 + len(args.datums) :]
+        worker_args += ["--datums", str(num_datums)]
+        direct, sdk = [], []
+        for round_index in range(args.rounds):
+            order = ("direct", "sdk") if round_index % 2 == 0 else ("sdk", "direct")
+            for side in order:
+                if side == "direct":
+                    result = launch_workers(__file__, args.ranks, worker_args)
+                    if "error" in result:
+                        raise SystemExit(f"direct run failed: {result['error']}")
+                    direct.append(result)
+                else:
+                    sdk.append(measure_sdk(args, num_datums))
+        step_direct = statistics.median(r["step_s"] for r in direct)
+        step_sdk = statistics.median(r["step_s"] for r in sdk)
+        tps_direct = statistics.median(r["tokens_per_s"] for r in direct)
+        tps_sdk = statistics.median(r["tokens_per_s"] for r in sdk)
+        rows.append(
+            [f"SL step, {num_datums} datums", f"{step_direct:.3f} s", f"{step_sdk:.3f} s", ratio(step_sdk, step_direct)]
+        )
+        rows.append(["sampling tokens/s", f"{tps_direct:.0f}", f"{tps_sdk:.0f}", ratio(tps_sdk, tps_direct)])
+        summary_parts.append(f"{ratio(step_sdk, step_direct)} ({num_datums} datums)")
     body = [
-        f"One SL step: {args.datums} datums of {args.length} tokens (cross_entropy, weights on each second half), "
-        f"a LoRA client of rank {args.lora_rank}, AdamW; sampling: {args.samples} sequences of {args.max_tokens} "
-        f"tokens from a 20-token prompt. {args.ranks} ranks; medians over {args.steps} steps (after {args.warmup}) "
-        f"and {args.sample_rounds} sampling calls, then over {args.rounds} paired rounds.",
+        f"One SL step: datums of {args.length} tokens (cross_entropy, weights on each second half), a LoRA "
+        f"client of rank {args.lora_rank}, AdamW; sampling (measured beside each size): {args.samples} "
+        f"sequences of {args.max_tokens} tokens from a 20-token prompt. {args.ranks} ranks; medians over "
+        f"{args.steps} steps (after {args.warmup}) and {args.sample_rounds} sampling calls, then over "
+        f"{args.rounds} paired rounds.",
         "",
-        *markdown_table(
-            ["", "direct (worker)", "through the SDK", "SDK / direct"],
-            [
-                ["SL step time", f"{step_direct:.3f} s", f"{step_sdk:.3f} s", ratio(step_sdk, step_direct)],
-                ["sampling tokens/s", f"{tps_direct:.0f}", f"{tps_sdk:.0f}", ratio(tps_sdk, tps_direct)],
-            ],
-        ),
+        *markdown_table(["", "direct (worker)", "through the SDK", "SDK / direct"], rows),
     ]
-    summary = (
-        f"SL step through the SDK {ratio(step_sdk, step_direct)} of the direct step; sampling "
-        f"{ratio(tps_sdk, tps_direct)} of the direct tokens/s ({args.ranks} CPU ranks)"
-    )
+    summary = f"SL step through the SDK / direct: {', '.join(summary_parts)} on {args.ranks} CPU ranks"
     publish(args, "Tinker-compatible service: overhead", summary, body)
 
 

@@ -46,3 +46,15 @@ def test_rl_loop_trains_after_a_warm_up(service, tmp_path):
     assert any(r > 0 for r in rewards), metrics  # the warm-up taught the answer format
     # A step with mixed rewards calls forward_backward and optim_step, whose metrics it logs.
     assert any("grad_norm:mean" in m for m in metrics), metrics
+
+
+def test_the_service_writes_the_tokenizer_clients_load(service, tmp_path):
+    """The folder a user links as ./Qwen/Qwen3-8B holds exactly the files the cookbook tests load."""
+    from tokenizer_assets import tokenizer_dir
+
+    served = service.dump / "tokenizer"
+    expected = tokenizer_dir(tmp_path)
+    names = sorted(p.name for p in expected.iterdir())
+    assert names and sorted(p.name for p in served.iterdir()) == names
+    for name in names:
+        assert (served / name).read_bytes() == (expected / name).read_bytes(), name

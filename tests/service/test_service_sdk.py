@@ -324,3 +324,25 @@ def test_bad_input_is_a_user_error_and_the_service_goes_on(service, client):
     out = tc.forward_backward(to_sdk([row], "cross_entropy"), "cross_entropy").result()
     assert math.isfinite(out.metrics["loss:sum"])
     tc.optim_step(types.AdamParams(**ADAM)).result()
+
+
+def test_custom_loss_trains_like_the_cross_entropy_it_equals(service, client):
+    """forward_backward_custom (a forward, the loss's gradient in the client, a cross_entropy
+    backward with those weights) steps exactly as cross_entropy with the same weights."""
+    rows = datums(90)
+
+    def custom(data, logprobs):
+        loss = sum(-(lp * row["weights"]).sum() for lp, row in zip(logprobs, rows))
+        return loss, {}
+
+    stepped = {}
+    for how in ("custom", "cross_entropy"):
+        tc = client.create_lora_training_client(base_model=BASE_MODEL, rank=RANK, seed=31).result()
+        if how == "custom":
+            tc.forward_backward_custom(to_sdk(rows, "cross_entropy"), custom).result()
+        else:
+            tc.forward_backward(to_sdk(rows, "cross_entropy"), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(**ADAM)).result()
+        stepped[how] = adapter_tensors(peft_dir(service, tc.save_state(f"custom-{how}").result().path))
+    for key, value in stepped["cross_entropy"].items():
+        assert_close(stepped["custom"][key], value, key)

@@ -12,6 +12,8 @@ import signal
 import torch.distributed as dist
 
 from torchtitan_rl.config import JobConfig
+from torchtitan_rl.hf_checkpoint import write_tokenizer_files
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.registry import spec_for_args
 from torchtitan_rl.recipes.base import Recipe, lora_settings, start_run
 from torchtitan_rl.recipes.grpo_data import build_generator
@@ -26,6 +28,8 @@ logger = logging.getLogger(__name__)
 # Unnamed sampler snapshots kept (save_weights_and_get_sampling_client makes one per call).
 MAX_SAMPLER_SNAPSHOTS = 16
 SERVICE_FILE = "service.json"
+TOKENIZER_FOLDER = "tokenizer"
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")  # what the exported generation_config stops at
 
 
 class ServiceRecipe(Recipe):
@@ -72,6 +76,13 @@ class ServiceRecipe(Recipe):
         dispatcher = Dispatcher(self.worker, self.group, service.keepalive_seconds)
         app = build_app(dispatcher, api_key=service.api_key or None)
         server = ServiceServer(app, service.host, service.port).start()
+        # The model's tokenizer as Hugging Face files, for clients that load one by the model's
+        # name from a local folder (the cookbook's get_tokenizer): link it as ./<base model name>.
+        tokenizer_dir = os.path.join(self.job_config.job.dump_folder, TOKENIZER_FOLDER)
+        os.makedirs(tokenizer_dir, exist_ok=True)
+        write_tokenizer_files(
+            ExportTokenizer.for_run(self.tokenizer, self.job_config.model.hf_assets_path, STOP_TOKENS), tokenizer_dir
+        )
         path = os.path.join(self.job_config.job.dump_folder, SERVICE_FILE)
         with open(path + ".tmp", "w") as f:
             json.dump({"host": service.host, "port": server.port, "base_models": service.base_models}, f)

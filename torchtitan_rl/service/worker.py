@@ -21,7 +21,7 @@ from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.rollouts import exchange_among_peers, split_among_peers
 from torchtitan_rl.service.checkpoints import CheckpointStore, check_name, parse_path, tinker_path
 from torchtitan_rl.service.clients import ClientPool, LoRAClientConfig
-from torchtitan_rl.service.operations import ForwardBackwardResult, Operation, UserError
+from torchtitan_rl.service.operations import ForwardBackwardResult, Operation, TinkerDatum, UserError
 from torchtitan_rl.service.sampling import SamplingSessions, ServiceSampler, Snapshot, check_sample_args
 from torchtitan_rl.service.tinker_losses import EngineCall, forward_backward_metrics, forward_metrics, to_engine
 
@@ -51,6 +51,7 @@ class ServiceWorker:
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.lora = lora
+        self._converted: dict[str, EngineCall] = {}  # rank 0: request id -> its checked conversion
 
     # ---- rank 0, before sending ------------------------------------------------------------
 
@@ -84,13 +85,18 @@ class ServiceWorker:
         else:
             self.pool.get(op.model_id)
             if kind == "forward_backward":
-                data = args.pop("data")
-                args["call"] = to_engine(
-                    data, args["loss_fn"], args["loss_fn_config"], vocab_size=self.vocab_size, max_len=self.max_len
-                )
+                # Checked here; every rank converts the datums again (it takes a fraction of what
+                # sending the samples, tensors pickled one by one, would), rank 0 keeps its own.
+                self._converted[op.request_id] = self._to_engine(args)
+                args["data"] = [_compact(datum) for datum in args["data"]]
             elif kind in ("save_weights", "save_weights_for_sampler") and args.get("name") is not None:
                 check_name(args["name"])
         return Operation(op.request_id, kind, op.model_id, op.seq_id, args)
+
+    def _to_engine(self, args: dict) -> EngineCall:
+        return to_engine(
+            args["data"], args["loss_fn"], args["loss_fn_config"], vocab_size=self.vocab_size, max_len=self.max_len
+        )
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model not in self.base_models:
@@ -123,7 +129,9 @@ class ServiceWorker:
         """Each data-parallel rank takes its contiguous share of the datums; rank 0 gathers the
         per-datum log-probs in the request's order."""
         self.pool.activate(op.model_id)
-        call: EngineCall = args["call"]
+        call = self._converted.pop(op.request_id, None)
+        if call is None:
+            call = self._to_engine(dict(args, data=[_expand(datum) for datum in args["data"]]))
         dims = self.engine.parallel_dims
         mine = split_among_peers(call.samples, dims.batch_rank(), dims.batch_degree)
         if args["forward_only"]:
@@ -252,3 +260,12 @@ class ServiceWorker:
     def sampler_info(self, session_id: str) -> dict:
         snapshot = self.sessions.get(session_id)
         return {"sampler_id": session_id, "base_model": snapshot.base_model, "model_path": snapshot.model_path}
+
+
+def _compact(datum: TinkerDatum) -> TinkerDatum:
+    """A checked datum as it travels to the other ranks: numpy arrays pickle as one buffer each."""
+    return TinkerDatum(list(datum.tokens), {key: value.numpy() for key, value in datum.inputs.items()})
+
+
+def _expand(datum: TinkerDatum) -> TinkerDatum:
+    return TinkerDatum(datum.tokens, {key: torch.from_numpy(value) for key, value in datum.inputs.items()})
