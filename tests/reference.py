@@ -64,6 +64,15 @@ def tinker_loss(loss_fn: str, logp: torch.Tensor, inputs: dict, config: dict) ->
     return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages).sum()
 
 
+def tinker_ratios(loss_fn: str, log_ratios: list[torch.Tensor], masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """The ratios a Tinker loss clips, from each datum's per-token ``log_ratios`` (logp - q): per
+    token, or for gspo one per datum (the mean over its ``sequence_ratio_mask``, 0 with none)."""
+    if loss_fn != "gspo":
+        return torch.cat(log_ratios).exp()
+    means = [lr[m != 0].mean() if (m != 0).any() else torch.zeros(()) for lr, m in zip(log_ratios, masks)]
+    return torch.stack(means).exp()
+
+
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tinker_cases as tc
-from reference import tinker_loss
+from reference import tinker_loss, tinker_ratios
 from test_layout_invariance import assert_rel_close, reference_model
 
 RTOL = 1e-5
@@ -90,13 +90,7 @@ def test_data_exercises_clips_signs_and_micro_batches():
             continue
         low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
         with torch.no_grad():
-            ratios = []
-            for d in datums:
-                log_ratio = target_logprobs(model, d) - d.inputs["logprobs"]
-                if loss_fn == "gspo":
-                    mask = d.inputs["sequence_ratio_mask"] != 0
-                    log_ratio = log_ratio[mask].mean()[None] if mask.any() else torch.zeros(1)
-                ratios.append(log_ratio.exp())
-        ratios = torch.cat(ratios)
+            log_ratios = [target_logprobs(model, d) - d.inputs["logprobs"] for d in datums]
+        ratios = tinker_ratios(loss_fn, log_ratios, [d.inputs.get("sequence_ratio_mask") for d in datums])
         assert (ratios < low).any() and (ratios > high).any() and ((ratios > low) & (ratios < high)).any(), loss_fn
     assert sum(tc.CALL_LENGTHS[0]) > 2 * tc.BUDGET and max(tc.CALL_LENGTHS[0]) == tc.BUDGET

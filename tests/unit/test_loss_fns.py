@@ -404,3 +404,11 @@ def test_sft_refuses_what_sft_data_cannot_feed(loss, message):
     with pytest.raises(ValueError, match=message):
         sft_loss_fn(JobConfig(loss=loss))
     assert sft_loss_fn(JobConfig(loss=Loss(entropy_coef=0.01))).options["entropy_coef"] == 0.01
+
+
+@pytest.mark.parametrize("name", list(LOSS_FNS))
+def test_resolved_options_resolve_again_unchanged(name):
+    """A recipe resolves [loss] once and hands the engine the resolved options (every key, the
+    defaults included): they must pass the same checks again and give the same loss function."""
+    resolved = resolve_loss_fn(name)
+    assert resolve_loss_fn(name, resolved.options).options == resolved.options

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from reference import tinker_loss
+from reference import tinker_loss, tinker_ratios
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.losses.loss_fns import resolve_loss_fn
@@ -170,14 +170,8 @@ def test_data_exercises_every_clip_and_sign():
         if "clip_low_threshold" not in config:
             continue
         with torch.no_grad():
-            ratios = []
-            for d in datums:
-                log_ratio = target_logprobs(model, d) - d.inputs["logprobs"]
-                if loss_fn == "gspo":
-                    mask = d.inputs["sequence_ratio_mask"] != 0
-                    log_ratio = log_ratio[mask].mean()[None] if mask.any() else torch.zeros(1)
-                ratios.append(log_ratio.exp())
-        ratios = torch.cat(ratios)
+            log_ratios = [target_logprobs(model, d) - d.inputs["logprobs"] for d in datums]
+        ratios = tinker_ratios(loss_fn, log_ratios, [d.inputs.get("sequence_ratio_mask") for d in datums])
         assert (ratios < config["clip_low_threshold"]).any() and (ratios > config["clip_high_threshold"]).any()
         assert ((ratios > config["clip_low_threshold"]) & (ratios < config["clip_high_threshold"])).any()
 

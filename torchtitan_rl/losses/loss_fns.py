@@ -330,7 +330,8 @@ def resolve_loss_fn(name: str, config: dict[str, Any] | None = None, key_prefix:
 def _program_option(name: str, where: str, key: str, value, ratio_based: bool):
     """A checked value of ``PROGRAM_OPTIONS[key]`` for loss function ``name``."""
     if key == "max_log_ratio":
-        if not ratio_based:
+        # The default passes: a resolved loss's options (every key) resolve again unchanged.
+        if not ratio_based and value != PROGRAM_OPTIONS[key]:
             raise ValueError(f"{where}: loss_fn {name!r} has no ratio to an old policy")
         value = _number(where, value)
         if value <= 0:
