@@ -2,9 +2,11 @@
 Hugging Face model with the service's own PEFT export of the client's adapters (transformers +
 peft), each loss its documented formula written out here, and ``torch.optim.AdamW``.
 
-One launch per layout (1 rank, dp 2, tp 2); every test runs on each.
+One launch per layout (1 rank, dp 2, tp 2, and 1 training rank + 1 rollout rank that samples);
+every test runs on each.
 """
 
+import hashlib
 import math
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ LAYOUTS = {
     "1rank": (1, ()),
     "dp2": (2, ()),
     "tp2": (2, ("--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2")),
+    "rollout": (2, ("--parallelism.rollout_ranks", "1")),
 }
 RANK = 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -210,6 +213,30 @@ def test_every_loss_forward_backward_and_adamw_match_the_reference(service, clie
                 assert_close(ours, value, f"{loss_fn}: {key} after optim_step")
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s stream of a request: the first 8 bytes (little-endian) of the SHA-256 of
+    "seed:0:index:0", 63 bits (the generator's documented per-row seed)."""
+    digest = hashlib.sha256(f"{seed}:0:{index}:0".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def reference_samples(model, prompt: list[int], num_samples: int, max_tokens: int, seed: int) -> list[list[int]]:
+    """Temperature-1 samples drawn by inverse CDF (vocabulary order, float64), one uniform per
+    token from sample j's own stream: what any layout must return for ``seed``."""
+    out = []
+    for index in range(num_samples):
+        stream = torch.Generator().manual_seed(sample_seed(seed, index))
+        tokens = list(prompt)
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor(tokens)[None]).logits[0, -1].float()
+            cdf = torch.softmax(logits, -1).double().cumsum(-1)
+            target = torch.rand(1, generator=stream, dtype=torch.float64) * cdf[-1]
+            tokens.append(min(int(torch.searchsorted(cdf, target, right=True)), len(cdf) - 1))
+        out.append(tokens[len(prompt) :])
+    return out
+
+
 def test_sampling_logprobs_equal_a_forward_of_the_sampled_tokens(service, client, hf_dir):
     tc = client.create_lora_training_client(base_model=BASE_MODEL, rank=RANK, seed=3).result()
     rows = datums(5)
@@ -222,6 +249,8 @@ def test_sampling_logprobs_equal_a_forward_of_the_sampled_tokens(service, client
     params = types.SamplingParams(max_tokens=12, seed=11, temperature=1.0, stop=[])
     result = sampler.sample(types.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params).result()
     assert len(result.sequences) == 3
+    # The tokens of seed 11 on every layout, colocated or on rollout ranks.
+    assert [list(s.tokens) for s in result.sequences] == reference_samples(model, prompt, 3, 12, seed=11)
     with torch.no_grad():
         for seq in result.sequences:
             assert len(seq.tokens) == 12 and seq.stop_reason == "length"

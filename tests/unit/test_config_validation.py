@@ -315,6 +315,17 @@ def test_geo_mask_takes_the_sequence_level_it_works_at():
         )
 
 
+def test_service_takes_rollout_ranks_with_a_silent_peer_timeout_below_the_collective_one():
+    recipes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train_configs")
+    service = os.path.join(recipes, "service_debug.toml")
+    with_rollout_ranks = ("--job.config_file", service, "--parallelism.rollout_ranks", "1")
+    assert parse(*with_rollout_ranks).parallelism.rollout_ranks == 1
+    assert_error(
+        [*with_rollout_ranks, "--comm.silent_peer_timeout_seconds", "300", "--comm.collective_timeout_seconds", "300"],
+        "comm.silent_peer_timeout_seconds=300: must be below comm.collective_timeout_seconds=300",
+    )
+
+
 def test_grpo_recipes_parse():
     recipes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train_configs")
     cfg = parse("--job.config_file", os.path.join(recipes, "debug_grpo.toml"))

@@ -239,7 +239,9 @@ class Parallelism:
     """GRPO: reserve the last N ranks of the launch for generation (0 = colocated: every rank
     trains and generates). The other ranks train with the degrees above (their product is the
     world size minus N); after each RL step they broadcast the weights to the rollout ranks,
-    which generate the next steps' rollouts meanwhile (rl.max_staleness)."""
+    which generate the next steps' rollouts meanwhile (rl.max_staleness). job.recipe = "service":
+    the last N ranks run the sampling requests (the training ranks then never generate); they take
+    the base weights once and each sampler snapshot's adapters from rank 0."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Which FSDP-sharded blocks free their gathered parameters after forward (backward then

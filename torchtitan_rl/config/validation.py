@@ -157,6 +157,12 @@ def _check_recipe(cfg) -> None:
             f"rl.max_staleness={rl.max_staleness}: generating ahead of the trainers needs ranks of its own; set "
             "parallelism.rollout_ranks >= 1 (the colocated run is synchronous)"
         )
+    _check_silent_peer_timeout(cfg)
+    _check_rollout_correction(rl)
+    _check_dapo(rl, generation)
+
+
+def _check_silent_peer_timeout(cfg) -> None:
     comm = cfg.comm
     if cfg.parallelism.rollout_ranks and comm.silent_peer_timeout_seconds >= comm.collective_timeout_seconds:
         raise ValueError(
@@ -164,8 +170,6 @@ def _check_recipe(cfg) -> None:
             f"comm.collective_timeout_seconds={comm.collective_timeout_seconds}, so that a rank that stops is named "
             "before a collective it stalls times out with the backend's message; lower it or raise the other"
         )
-    _check_rollout_correction(rl)
-    _check_dapo(rl, generation)
 
 
 def _check_task(cfg) -> None:
@@ -319,8 +323,6 @@ def _check_service(cfg) -> None:
         )
     if cfg.lora.train_embeddings:
         raise ValueError("lora.train_embeddings: Tinker's LoRA clients train adapters only; set it to false")
-    if cfg.parallelism.rollout_ranks:
-        raise ValueError("parallelism.rollout_ranks: job.recipe = 'service' samples on the training ranks")
     if not cfg.lora.enable:
         raise ValueError("lora.enable: job.recipe = 'service' trains LoRA clients; set lora.enable = true")
     if cfg.lora.dropout > 0:
@@ -332,3 +334,4 @@ def _check_service(cfg) -> None:
         )
     if not cfg.service.base_models:
         raise ValueError("service.base_models: name at least one base model")
+    _check_silent_peer_timeout(cfg)

@@ -49,8 +49,12 @@ def parse_path(path: str, field: str = "path") -> tuple[str, str, str]:
 
 
 class CheckpointStore:
-    def __init__(self, root: str):
+    """Saved client states under ``root``; ``group``: the training ranks, who save and load
+    together (None: the whole launch)."""
+
+    def __init__(self, root: str, group: dist.ProcessGroup | None = None):
         self.root = root
+        self.group = group
 
     def folder(self, model_id: str, kind: str, name: str) -> str:
         return os.path.join(self.root, model_id.replace(":", "_"), kind, name)
@@ -81,9 +85,9 @@ class CheckpointStore:
         """Collective: every rank writes its shards; rank 0 writes the settings last (their
         presence marks a complete save)."""
         state = {"adapters": adapters, "optimizer": optimizer_state}
-        dcp.save(state, checkpoint_id=os.path.join(folder, DCP_FOLDER))
+        dcp.save(state, checkpoint_id=os.path.join(folder, DCP_FOLDER), process_group=self.group)
         if dist.is_initialized():
-            dist.barrier()
+            dist.barrier(group=self.group)
         if not dist.is_initialized() or dist.get_rank() == 0:
             meta = {
                 "lora": vars(config),
@@ -93,10 +97,9 @@ class CheckpointStore:
             with open(os.path.join(folder, CLIENT_FILE), "w") as f:
                 json.dump(meta, f, indent=1)
 
-    @staticmethod
-    def load(folder: str, adapters: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
+    def load(self, folder: str, adapters: dict[str, torch.Tensor], optimizer_state: dict | None) -> None:
         """Fill ``adapters`` (and ``optimizer_state``'s tensors, shaped like the saved ones) in place."""
         state = {"adapters": adapters}
         if optimizer_state:
             state["optimizer"] = optimizer_state
-        dcp.load(state, checkpoint_id=os.path.join(folder, DCP_FOLDER))
+        dcp.load(state, checkpoint_id=os.path.join(folder, DCP_FOLDER), process_group=self.group)

@@ -6,7 +6,8 @@ them concurrently, or leave a gap while it computes a custom loss): an operation
 model's previous ``seq_id`` ran. Sampling operations and those that create a model run in arrival
 order. Rank 0's main thread takes the next runnable operation, checks it (a UserError is
 answered at once, no rank involved), sends it to every rank over a process group of its own and
-runs it; the other ranks run ``follow``. While nothing is queued rank 0 sends a keep-alive every
+runs it; the other ranks run ``follow`` (rollout ranks too, with a worker that executes the
+sampling operations alone: ``service.rollout_sampling``). While nothing is queued rank 0 sends a keep-alive every
 ``keepalive_seconds``, so that a rank waits in a collective only as long as its timeout allows
 when rank 0 is gone, never because the service is idle.
 """
@@ -16,7 +17,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -31,6 +32,12 @@ _STOP = "stop"
 # A "skip" holds the place of a request the HTTP layer refused (its args' "error" is the answer),
 # so that the model's later operations do not wait for it.
 SEQUENCED_KINDS = ("forward_backward", "optim_step", "save_weights", "save_weights_for_sampler", "load_weights", "skip")
+
+
+class Executor(Protocol):
+    """What a rank that follows rank 0 runs each operation with."""
+
+    def execute(self, op: Operation) -> Any: ...
 
 
 @dataclass
@@ -108,7 +115,11 @@ class Dispatcher:
                 self._send(_KEEPALIVE)
                 continue
             self._run_one(pending)
-        self._send(_STOP)
+        try:
+            self._send(_STOP)
+        except RuntimeError as err:
+            # Stopped by a signal that torchrun sent every rank: the others may be gone already.
+            logger.info("the other ranks did not take the stop (%s): they have stopped already", err)
 
     def _run_one(self, pending: _Pending) -> None:
         if pending.op.kind == "skip":
@@ -136,7 +147,7 @@ class Dispatcher:
             dist.broadcast_object_list([message], src=0, group=self.group)
 
 
-def follow(worker: ServiceWorker, group: dist.ProcessGroup) -> None:
+def follow(worker: Executor, group: dist.ProcessGroup) -> None:
     """A rank other than 0: run what rank 0 sends until it says stop."""
     while True:
         box: list = [None]

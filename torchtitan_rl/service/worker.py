@@ -2,8 +2,10 @@
 
 ``check`` runs on rank 0 before an operation is sent to the ranks: every user mistake is found
 there, without a collective, so a bad request is answered with a UserError and no rank is left
-waiting. ``execute`` then runs on every rank in the same order; the ranks hold the same client
-and session tables, so they take the same branches.
+waiting. ``execute`` then runs on every training rank in the same order; the ranks hold the same
+client and session tables, so they take the same branches. Sampling runs where ``sampler`` puts
+it: on the training ranks (``ColocatedSampling``) or on rollout ranks
+(``service.rollout_sampling``), which follow the same operations.
 """
 
 import os
@@ -19,10 +21,10 @@ from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.peft_checkpoint import save_peft_adapter
 from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.rollouts import exchange_among_peers, split_among_peers
-from torchtitan_rl.service.checkpoints import CheckpointStore, check_name, parse_path, tinker_path
+from torchtitan_rl.service.checkpoints import CheckpointStore, check_name, tinker_path
 from torchtitan_rl.service.clients import ClientPool, LoRAClientConfig
 from torchtitan_rl.service.operations import ForwardBackwardResult, Operation, TinkerDatum, UserError
-from torchtitan_rl.service.sampling import SamplingSessions, ServiceSampler, Snapshot, check_sample_args
+from torchtitan_rl.service.sampling import SamplingBackend, SamplingSessions, Snapshot, check_sample_args
 from torchtitan_rl.service.tinker_losses import EngineCall, forward_backward_metrics, forward_metrics, to_engine
 
 ADAMW_STATE = ("step", "exp_avg", "exp_avg_sq")
@@ -33,10 +35,11 @@ class ServiceWorker:
         self,
         engine: Engine,
         pool: ClientPool,
-        sampler: ServiceSampler,
+        sampler: SamplingBackend,
         sessions: SamplingSessions,
         store: CheckpointStore,
         *,
+        group: dist.ProcessGroup | None,
         base_models: list[str],
         vocab_size: int,
         max_len: int,
@@ -51,6 +54,7 @@ class ServiceWorker:
         self.vocab_size = vocab_size
         self.max_len = max_len
         self.lora = lora
+        self.group = group  # the training ranks (None: the whole launch), for their barriers
         self._converted: dict[str, EngineCall] = {}  # rank 0: request id -> its checked conversion
 
     # ---- rank 0, before sending ------------------------------------------------------------
@@ -74,7 +78,7 @@ class ServiceWorker:
         elif kind in ("create_sampling_session", "sample"):
             if kind == "create_sampling_session":
                 if args.get("model_path") is not None:
-                    self._sampler_snapshot(args["model_path"])
+                    self.sessions.named_snapshot(args["model_path"])
                 else:
                     self._check_base(args.get("base_model"))
             else:
@@ -177,10 +181,10 @@ class ServiceWorker:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 shutil.rmtree(path)
             if dist.is_initialized():
-                dist.barrier()
+                dist.barrier(group=self.group)
         alpha = self.pool.lora_alpha * self.lora.rank / config.rank
         settings = LoRASettings(rank=self.lora.rank, alpha=alpha, target_modules=self.lora.target_modules)
-        save_peft_adapter(self.engine.model, path, settings, torch.float32)
+        save_peft_adapter(self.engine.model, path, settings, torch.float32, group=self.group)
 
     def _load_weights(self, op: Operation, args: dict) -> dict:
         folder, *_ = self.store.existing(args["path"])
@@ -218,31 +222,20 @@ class ServiceWorker:
         return Snapshot(state.base_model, adapters, self.pool.lora_alpha / state.config.rank, model_path)
 
     def _save_weights_for_sampler(self, op: Operation, args: dict) -> dict:
-        if args.get("name") is None:
-            snapshot = self._snapshot_of_active(op.model_id, None)
-            self.sessions.add(args["sampling_session_id"], snapshot)
-            return {"sampling_session_id": args["sampling_session_id"]}
-        path = tinker_path(op.model_id, "sampler_weights", args["name"])
+        path = None if args.get("name") is None else tinker_path(op.model_id, "sampler_weights", args["name"])
         snapshot = self._snapshot_of_active(op.model_id, path)
-        self.sessions.named[path] = snapshot
+        self.sampler.publish(snapshot)
+        self.sessions.keep(snapshot, args.get("sampling_session_id"))
+        if path is None:
+            return {"sampling_session_id": args["sampling_session_id"]}
         state = self.pool.get(op.model_id)
         folder = self.store.folder(op.model_id, "sampler_weights", args["name"])
         os.makedirs(folder, exist_ok=True)
         self._export_peft(state.config, os.path.join(folder, "peft"))
         return {"path": path}
 
-    def _sampler_snapshot(self, model_path: str) -> Snapshot:
-        parse_path(model_path, "model_path")
-        if model_path not in self.sessions.named:
-            raise UserError(f"model_path: no sampler weights were saved at {model_path!r} by this service")
-        return self.sessions.named[model_path]
-
     def _create_sampling_session(self, op: Operation, args: dict) -> dict:
-        if args.get("model_path") is not None:
-            snapshot = self._sampler_snapshot(args["model_path"])
-        else:
-            snapshot = Snapshot(args["base_model"], None)
-        self.sessions.add(args["sampling_session_id"], snapshot)
+        self.sessions.open(args["sampling_session_id"], args.get("base_model"), args.get("model_path"))
         return {"sampling_session_id": args["sampling_session_id"]}
 
     def _sample(self, op: Operation, args: dict):
