@@ -281,6 +281,42 @@ def test_stop_token_is_included_once(service, client):
     assert_close(seq.logprobs, free.logprobs[: first + 1], "logprobs up to the stop token")
 
 
+def test_stop_string_cuts_at_the_token_that_completes_it(service, client):
+    """A stop given as text ends the sequence with the token whose text completes it (decoded
+    with the model's tokenizer, the built-in byte tokenizer here): the first printable byte."""
+    sampler = client.create_sampling_client(base_model=BASE_MODEL).result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    for seed in range(20):
+        free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=16, seed=seed, stop=[])).result().sequences[0]
+        printable = [k for k, t in enumerate(free.tokens) if 32 <= t < 127 and k > 0]
+        if printable:
+            break
+    assert printable, "premise: some sample has a printable byte after its first token"
+    k = printable[0]
+    cut = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=16, seed=seed, stop=chr(free.tokens[k])))
+    seq = cut.result().sequences[0]
+    assert seq.tokens == free.tokens[: k + 1] and seq.stop_reason == "stop"
+
+
+def test_unknown_ids_are_user_errors_naming_them(service, client):
+    import httpx
+
+    from service_launch import API_KEY
+
+    with httpx.Client(base_url=service.url, headers={"X-API-Key": API_KEY}) as http:
+        reply = http.post("/api/v1/get_info", json={"model_id": "nobody:train:7", "type": "get_info"})
+        assert 400 <= reply.status_code < 500 and "nobody:train:7" in reply.text, reply.text
+        reply = http.get("/api/v1/samplers/nobody:sample:3")
+        assert 400 <= reply.status_code < 500 and "nobody:sample:3" in reply.text, reply.text
+    sampler = client.create_sampling_client(base_model=BASE_MODEL).result()  # and it goes on serving
+    assert (
+        len(
+            sampler.sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)).result().sequences
+        )
+        == 1
+    )
+
+
 def test_two_clients_do_not_interfere(service, client):
     """Client A's results are the same whether or not client B trains between its operations."""
 

@@ -14,6 +14,7 @@ from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.recipes.base import REDUCE_DTYPES, describe_os_error, model_args_from_config
 from torchtitan_rl.recipes.grpo import GRPORecipe, build_grpo
 from torchtitan_rl.recipes.grpo_data import generation_dtype
+from torchtitan_rl.recipes.service import build_service
 from torchtitan_rl.recipes.sft import SFTRecipe
 
 CONFIGS = Path(__file__).resolve().parents[2] / "train_configs"
@@ -36,7 +37,8 @@ def test_registry_matches_the_config_choices():
     ]
     assert set(RECIPES) == set(choices)
     assert get_recipe("grpo") is build_grpo and get_recipe("sft") is SFTRecipe
-    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'sft'\]"):
+    assert get_recipe("service") is build_service
+    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'service', 'sft'\]"):
         get_recipe("dpo")
 
 
