@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from test_config import assert_error, parse
+from test_config import assert_error, parse, write
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.models.config_checks import check_model_settings
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
@@ -359,3 +359,46 @@ def test_grpo_recipes_parse():
     # Both recipes balance DP compute by default; GRPO reads the switch, so turning it off is no error.
     assert cfg.training.balance_dp_compute and parse().training.balance_dp_compute
     assert not parse(*GRPO, "--training.balance_dp_compute", "false").training.balance_dp_compute
+
+
+SERVICE = (
+    "--job.config_file",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train_configs", "service_debug.toml"),
+)
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--loss.reduction", "token_mean"], ["loss.reduction", "plain sums", "'sum'"]),
+        (["--lora.dropout", "0.1"], ["lora.dropout"]),
+        (["--lora.train_embeddings", "true"], ["lora.train_embeddings"]),
+        (["--checkpoint.enable", "true"], ["checkpoint.enable", "save_state"]),
+        (["--rl.group_size", "4"], ["rl.group_size: not used by job.recipe = 'service'"]),
+        (["--generation.temperature", "0.5"], ["generation.temperature: not used by job.recipe = 'service'"]),
+        (["--service.base_models", "[]"], ["service.base_models"]),
+    ],
+)
+def test_service_key_rules(argv, fragments):
+    assert_error([*SERVICE, *argv], *fragments)
+
+
+def test_service_needs_lora(tmp_path):
+    recipe = write(tmp_path, '[job]\nrecipe = "service"\n[loss]\nreduction = "sum"\n')
+    assert_error(["--job.config_file", recipe], "lora.enable: job.recipe = 'service' trains LoRA clients")
+
+
+def test_service_keys_belong_to_the_service_and_its_generator_keys_apply():
+    assert_error(["--service.port", "9000"], "service.port: only used with job.recipe = 'service'")
+    cfg = parse(*SERVICE, "--generation.max_prompts_per_batch", "4", "--service.port", "0")
+    assert cfg.generation.max_prompts_per_batch == 4 and cfg.service.port == 0
+
+
+def test_service_without_its_packages_names_the_extra(monkeypatch):
+    import importlib.util
+
+    import torchtitan_rl.recipes.config_checks as checks
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None if name == "fastapi" else real(name))
+    assert_error(list(SERVICE), "job.recipe = 'service' needs fastapi", "pip install -e '.[service]'")

@@ -7,6 +7,8 @@ options (``losses.loss_fns``), the model's flavors and architecture (``models.co
 Every error is a ``ValueError`` naming the key.
 """
 
+import importlib.util
+
 from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.losses.loss_fns import ADVANTAGE_LOSS_FNS, loss_fn_from_config
 from torchtitan_rl.models.config_checks import check_model_config
@@ -20,8 +22,19 @@ def parse_job_config(argv: list[str]) -> JobConfig:
     return job_config
 
 
+# What job.recipe = "service" imports beyond the base install (pyproject's "service" extra).
+SERVICE_MODULES = ("fastapi", "uvicorn", "tinker")
+
+
 def check_job_config(cfg: JobConfig) -> None:
     """The rules on a parsed ``cfg`` that need the facts of the parts it configures."""
+    if cfg.job.recipe == "service":
+        missing = [name for name in SERVICE_MODULES if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(
+                f"job.recipe = 'service' needs {', '.join(missing)}, which this environment lacks: "
+                "pip install -e '.[service]' (fastapi, uvicorn and tinker==0.38.0)"
+            )
     if cfg.job.recipe == "grpo":
         if cfg.loss.loss_fn not in ADVANTAGE_LOSS_FNS:
             raise ValueError(
