@@ -1,6 +1,6 @@
 """The service driven by the official tinker SDK, against an independent reference: the same
 Hugging Face model with the service's own PEFT export of the client's adapters (transformers +
-peft), each loss its documented formula written out here, and ``torch.optim.AdamW``.
+peft), each loss its documented formula (``reference.tinker_loss``), and ``torch.optim.AdamW``.
 
 One launch per layout (1 rank, dp 2, tp 2, and 1 training rank + 1 rollout rank that samples);
 every test runs on each.
@@ -19,6 +19,7 @@ from tinker import types
 from transformers import Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the launch helper lives there
+from reference import tinker_loss  # noqa: E402
 from service_launch import BASE_MODEL, make_hf_model, sdk_env, start_service  # noqa: E402
 
 LAYOUTS = {
@@ -123,30 +124,6 @@ def token_logprobs(model, row) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(1, row["target_tokens"][:, None])[:, 0]
 
 
-def documented_loss(loss_fn: str, config: dict | None, logp: torch.Tensor, row: dict) -> torch.Tensor:
-    """Tinker's per-token term of ``loss_fn``, summed over the datum's tokens."""
-    config = config or {}
-    q, adv = row["logprobs"], row["advantages"]
-    lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-    if loss_fn == "cross_entropy":
-        return -(logp * row["weights"]).sum()
-    if loss_fn == "importance_sampling":
-        return -(torch.exp(logp - q) * adv).sum()
-    if loss_fn in ("ppo", "gspo"):
-        if loss_fn == "ppo":
-            ratio = torch.exp(logp - q)
-        else:
-            mask = row["sequence_ratio_mask"] != 0
-            log_ratio = (logp.detach() - q)[mask].mean()
-            ratio = torch.exp(log_ratio + logp - logp.detach())
-        return -torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv).sum()
-    if loss_fn == "cispo":
-        return -(torch.exp(logp - q).clamp(lo, hi).detach() * logp * adv).sum()
-    if loss_fn == "dro":
-        return -(logp * adv - 0.5 * config["beta"] * (logp - q) ** 2).sum()
-    raise AssertionError(loss_fn)
-
-
 def assert_close(actual, expected, what: str) -> None:
     actual, expected = torch.as_tensor(actual, dtype=torch.float64), torch.as_tensor(expected, dtype=torch.float64)
     err = (actual - expected).abs().max().item() if actual.numel() else 0.0
@@ -172,7 +149,7 @@ def reference_step(model: PeftModel, optimizer, rows: list[dict], loss_fn: str, 
     """One forward_backward + optim_step of the reference, with ``ADAM``."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad()
-    loss = sum(documented_loss(loss_fn, config, token_logprobs(model, row), row) for row in rows)
+    loss = sum(tinker_loss(loss_fn, token_logprobs(model, row), row, config or {}) for row in rows)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, ADAM["grad_clip_norm"])
     optimizer.step()
@@ -198,7 +175,7 @@ def test_every_loss_forward_backward_and_adamw_match_the_reference(service, clie
             expected = [token_logprobs(model, row) for row in rows]
         for i in range(len(rows)):
             assert_close(out.loss_fn_outputs[i]["logprobs"].to_torch(), expected[i], f"{loss_fn} logprobs[{i}]")
-        total = sum(float(documented_loss(loss_fn, config, lp, row)) for lp, row in zip(expected, rows))
+        total = sum(float(tinker_loss(loss_fn, lp, row, config or {})) for lp, row in zip(expected, rows))
         assert_close(out.metrics["loss:sum"], total, f"{loss_fn} forward loss:sum")
         # Two calls, one step: the gradients accumulate.
         first = tc.forward_backward(to_sdk(rows[:2], loss_fn), loss_fn, loss_fn_config=config).result()
