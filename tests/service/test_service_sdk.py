@@ -18,6 +18,8 @@ from peft import PeftModel
 from tinker import types
 from transformers import Qwen3ForCausalLM
 
+from torchtitan_rl.service.checkpoints import PEFT_FOLDER, CheckpointStore
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))  # the launch helper lives there
 from reference import tinker_loss  # noqa: E402
 from service_launch import BASE_MODEL, make_hf_model, sdk_env, start_service  # noqa: E402
@@ -61,8 +63,8 @@ def client(service):
 
 def peft_dir(service, path: str) -> Path:
     """The PEFT export inside a saved state (``tinker://<model id>/weights/<name>``)."""
-    model_id, kind, name = path.removeprefix("tinker://").split("/")
-    return service.dump / "service" / model_id.replace(":", "_") / kind / name / "peft"
+    folder, *_ = CheckpointStore(str(service.dump / "service")).existing(path)
+    return Path(folder) / PEFT_FOLDER
 
 
 def reference(hf_dir: Path, adapter: Path) -> PeftModel:

@@ -50,7 +50,6 @@ class ClientState:
     values: dict[str, torch.Tensor]  # adapter name -> its values (DTensor or tensor, like the parameter)
     grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
     optimizer_state: dict[str, dict] = field(default_factory=dict)  # adapter name -> AdamW state
-    num_optim_steps: int = 0
 
 
 def _targets_of(config: LoRAClientConfig) -> tuple[str, ...]:

@@ -83,6 +83,10 @@ def _stop_at_string(tokens: list[int], stops: list[str], tokenizer: Tokenizer) -
     """The length of the shortest prefix of ``tokens`` whose text contains one of ``stops``. Ids
     past the tokenizer's vocabulary (a model may have more embeddings than it has tokens) have no
     text."""
+    known = [t for t in tokens if t < tokenizer.vocab_size]
+    whole = tokenizer.decode(known)
+    if not any(stop in whole for stop in stops):
+        return None  # the common case: one decode, not one per prefix
     for length in range(1, len(tokens) + 1):
         text = tokenizer.decode([t for t in tokens[:length] if t < tokenizer.vocab_size])
         if any(stop in text for stop in stops):

@@ -21,7 +21,7 @@ from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.peft_checkpoint import save_peft_adapter
 from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.rollouts import exchange_among_peers, split_among_peers
-from torchtitan_rl.service.checkpoints import CheckpointStore, check_name, tinker_path
+from torchtitan_rl.service.checkpoints import PEFT_FOLDER, CheckpointStore, check_name, tinker_path
 from torchtitan_rl.service.clients import ClientPool, LoRAClientConfig
 from torchtitan_rl.service.operations import ForwardBackwardResult, Operation, TinkerDatum, UserError
 from torchtitan_rl.service.sampling import SamplingBackend, SamplingSessions, Snapshot, check_sample_args
@@ -158,7 +158,6 @@ class ServiceWorker:
         )
         self.pool.optimizer.step()
         self.pool.optimizer.zero_grad(set_to_none=True)
-        self.pool.get(op.model_id).num_optim_steps += 1
         return {"metrics": {"grad_norm:mean": float(grad_norm)}}
 
     def _save_weights(self, op: Operation, args: dict) -> dict:
@@ -171,17 +170,19 @@ class ServiceWorker:
             if param in self.pool.optimizer.state
         }
         self.store.save(folder, state.config, state.base_model, dict(self.pool.params), optimizer_state)
-        self._export_peft(state.config, os.path.join(folder, "peft"))
+        self._export_peft(state.config, folder)
         return {"path": tinker_path(op.model_id, "weights", args["name"])}
 
-    def _export_peft(self, config: LoRAClientConfig, path: str) -> None:
-        """The active client's adapters as a PEFT directory (rank lora.rank: the rows past the
-        client's rank are zero, and the scale is the client's)."""
-        if os.path.exists(path):
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                shutil.rmtree(path)
-            if dist.is_initialized():
-                dist.barrier(group=self.group)
+    def _export_peft(self, config: LoRAClientConfig, folder: str) -> None:
+        """The active client's adapters as a PEFT directory in ``folder`` (rank lora.rank: the
+        rows past the client's rank are zero, and the scale is the client's); a save under the
+        same name replaces it."""
+        path = os.path.join(folder, PEFT_FOLDER)
+        if (not dist.is_initialized() or dist.get_rank() == 0) and os.path.exists(path):
+            shutil.rmtree(path)
+        if dist.is_initialized():
+            # Every rank, whatever it saw: the export checks on each that the path is free.
+            dist.barrier(group=self.group)
         alpha = self.pool.lora_alpha * self.lora.rank / config.rank
         settings = LoRASettings(rank=self.lora.rank, alpha=alpha, target_modules=self.lora.target_modules)
         save_peft_adapter(self.engine.model, path, settings, torch.float32, group=self.group)
@@ -231,7 +232,7 @@ class ServiceWorker:
         state = self.pool.get(op.model_id)
         folder = self.store.folder(op.model_id, "sampler_weights", args["name"])
         os.makedirs(folder, exist_ok=True)
-        self._export_peft(state.config, os.path.join(folder, "peft"))
+        self._export_peft(state.config, folder)
         return {"path": path}
 
     def _create_sampling_session(self, op: Operation, args: dict) -> dict:
