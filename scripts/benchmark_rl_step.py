@@ -60,21 +60,25 @@ def warm_up(dump: str) -> str:
     return os.path.join(dump, "checkpoint", "step-0")
 
 
-def run_ours(model: str, variant: str, steps: int) -> dict:
-    overrides = [
+def rl_overrides(model: str, steps: int, *extra: str) -> list[str]:
+    """``steps`` RL steps of the recipe from the warmed-up ``model`` (``warm_up``), no evaluation."""
+    return [
         "--job.config_file",
         RECIPE,
         "--training.steps",
         str(steps),
         "--rl.eval_interval",
         "0",
-        *VARIANTS[variant][1],
+        *extra,
         "--checkpoint.initial_load_path",
         model,
         "--checkpoint.initial_load_in_hf",
         "true",
     ]
-    scalars = run_train(overrides, ranks=None).scalars
+
+
+def run_ours(model: str, variant: str, steps: int) -> dict:
+    scalars = run_train(rl_overrides(model, steps, *VARIANTS[variant][1]), ranks=None).scalars
     measured = lambda tag: [scalars[tag][s] for s in sorted(scalars[tag])[1:]] if tag in scalars else []  # noqa: E731
     return {
         "step": statistics.mean(measured("time/step_s")),

@@ -5,6 +5,13 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EXTRAS=test bash "$root/scripts/ensure_env.sh"
+# The rollout viewer's page is tested in a headless browser: Debian's chromium and its WebDriver.
+if { [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; } && command -v apt-get > /dev/null; then
+  as_root=()
+  [ "$(id -u)" -eq 0 ] || as_root=(sudo)
+  "${as_root[@]}" apt-get update -qq
+  "${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver > /dev/null
+fi
 cd "$root"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 set +e

@@ -75,6 +75,33 @@ def read_scalars(tb_dir: str) -> dict[str, dict[int, float]]:
     return scalars
 
 
+def read_texts(tb_dir: str) -> dict[str, dict[int, str]]:
+    """``{tag: {step: text}}`` of every text summary under ``tb_dir``, the newest of a (tag, step)
+    logged twice winning as in ``read_scalars``. Tags are as TensorBoard lists them:
+    ``SummaryWriter.add_text(tag, ...)`` stores ``{tag}/text_summary``."""
+    from tensorboard.util import tensor_util
+
+    files = event_files(tb_dir)
+    if not files:
+        raise ValueError(f"no TensorBoard event files (*tfevents*) under {tb_dir!r}")
+    newest: dict[tuple[str, int], tuple[float, int, int, str]] = {}
+    for file_index, path in enumerate(files):
+        acc = event_accumulator.EventAccumulator(path, size_guidance=_SIZE_GUIDANCE, purge_orphaned_data=False)
+        acc.Reload()
+        for tag in acc.Tags().get(event_accumulator.TENSORS, []):
+            if acc.SummaryMetadata(tag).plugin_data.plugin_name != "text":
+                continue
+            for event_index, event in enumerate(acc.Tensors(tag)):
+                text = tensor_util.make_ndarray(event.tensor_proto).reshape(-1)[0]
+                key, order = (tag, int(event.step)), (event.wall_time, file_index, event_index)
+                if key not in newest or order >= tuple(newest[key][:3]):
+                    newest[key] = (*order, text.decode() if isinstance(text, bytes) else str(text))
+    texts: dict[str, dict[int, str]] = {}
+    for (tag, step), (*_order, text) in sorted(newest.items()):
+        texts.setdefault(tag, {})[step] = text
+    return texts
+
+
 def _keep_newest(newest: dict, tag: str, step: int, order: tuple, value: float) -> None:
     key = (tag, int(step))
     if key not in newest or order >= tuple(newest[key][:3]):

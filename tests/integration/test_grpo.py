@@ -33,13 +33,17 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from reference import launch_env
+from torchtitan_rl import rollout_files
 from torchtitan_rl.checkpoint import step_folders
 from torchtitan_rl.models.registry import get_model_spec
+from torchtitan_rl.rl.advantages import group_advantages
+from torchtitan_rl.rl.rollout_dump import EVAL_TABLE_TAG, ROLLOUT_TABLE_TAG, table_rows
 from torchtitan_rl.rl.rollout_ranks import staleness
-from torchtitan_rl.tensorboard_io import read_scalars
+from torchtitan_rl.tensorboard_io import read_scalars, read_texts
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = str(REPO / "train_configs" / "debug_grpo.toml")
@@ -165,6 +169,7 @@ def layout_runs(tmp_path_factory) -> dict:
         shutil.copytree(out / "async_k2_dp2", resumed)
         shutil.rmtree(resumed / "checkpoint" / f"step-{LAYOUT_STEPS}")
         shutil.rmtree(resumed / "tb")
+        plant_stale_dump(resumed, LAYOUT_STEPS)
         log = launch(
             resumed, 3, *options, "--training.steps", str(LAYOUT_STEPS), *staleness_options, *ASYNC_CHECKPOINTS
         )
@@ -182,6 +187,13 @@ def layout_runs(tmp_path_factory) -> dict:
             *((name, name) for name, _, _ in MULTI_TURN_RUNS),
         )
     } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
+
+
+def plant_stale_dump(run: Path, step: int) -> None:
+    """Step ``step``'s dump as a run that died after writing it, before its checkpoint, would
+    leave it (other records: the resumed run must replace them), and a half-written file."""
+    rollout_files.write_step(str(run / rollout_files.ROLLOUTS), step, [{"kind": "rollout", "step": step, "stale": 1}])
+    (run / rollout_files.ROLLOUTS / f"step-{step + 1}.jsonl.gz.partial").write_bytes(b"cut short")
 
 
 ROLLOUT_RANK = ("--parallelism.rollout_ranks", "1")
@@ -375,6 +387,111 @@ def test_multi_turn_steps_are_the_same_on_every_layout(layout_runs, layout):
     assert max(baseline["rl/groups_mixed"].values()) > 0 and min(baseline["grad_norm"].values()) > 0
 
 
+# ------------------------------------------------------------------ the rollout dump
+
+# Where each layout run's dump is, by the name its scalars have in ``layout_runs``.
+DUMP_FOLDERS = {"one": "dp2/baseline", "dp2": "dp2/test", "dp2_off": "dp2_tp2/baseline", "dp2_tp2": "dp2_tp2/test"}
+
+
+def read_dump(run: Path, kind: str = rollout_files.ROLLOUTS) -> dict[int, list[dict]]:
+    folder = str(run / kind)
+    return {step: rollout_files.read_step(folder, step) for step in rollout_files.dumped_steps(folder)}
+
+
+def flat(value, key=""):
+    """A record's leaves as (path, value) pairs (nested dicts and lists flattened)."""
+    if isinstance(value, dict):
+        return [pair for k, v in value.items() for pair in flat(v, f"{key}.{k}")]
+    if isinstance(value, list):
+        return [pair for i, v in enumerate(value) for pair in flat(v, f"{key}[{i}]")]
+    return [(key, value)]
+
+
+def assert_same_dump(got: dict, want: dict, where: str) -> None:
+    """The same records: text, ids and counts exactly, floats to the layout tests' tolerance."""
+    assert sorted(got) == sorted(want), where
+    for step, records in want.items():
+        assert len(got[step]) == len(records), (where, step)
+        for test, baseline in zip(got[step], records):
+            got_leaves, want_leaves = flat(test), flat(baseline)
+            assert [k for k, _ in got_leaves] == [k for k, _ in want_leaves], (where, step)
+            for (key, value), (_, expected) in zip(got_leaves, want_leaves):
+                if isinstance(expected, float):
+                    assert value == pytest.approx(expected, rel=1e-4, abs=1e-6), (where, step, key)
+                else:
+                    assert value == expected, (where, step, key)
+
+
+def test_the_dump_holds_exactly_the_trained_rollouts_with_the_logged_numbers(layout_runs):
+    run, scalars = layout_runs["out"] / DUMP_FOLDERS["one"], layout_runs["one"]
+    dump = read_dump(run)
+    assert sorted(dump) == list(range(1, LAYOUT_STEPS + 1))
+    for step, records in dump.items():
+        n = len(records)
+        assert n == scalars["rl/num_rollouts"][step] == 8 * 16  # no group filtered: every rollout trained
+        assert sum(r["reward"] for r in records) / n == pytest.approx(scalars["rl/reward_mean"][step], rel=1e-6)
+        assert sum(r["correct"] for r in records) / n == pytest.approx(scalars["rl/pass@1"][step], rel=1e-6)
+        lengths = sum(r["num_completion_tokens"] for r in records) / n
+        assert lengths == pytest.approx(scalars["rl/response_length_mean"][step], rel=1e-6)
+        tokens = sum(r["num_prompt_tokens"] + r["num_completion_tokens"] - 1 for r in records)
+        assert tokens == scalars["tokens/total"][step]
+        assert sum(r["num_loss_tokens"] for r in records) == scalars["tokens/loss_tokens"][step]
+        # Each advantage is its group's, recomputed from the dumped rewards.
+        rewards = torch.tensor([r["reward"] for r in records], dtype=torch.float64)
+        groups = torch.tensor([r["group"] for r in records])
+        expected = group_advantages(rewards, groups, "grpo", 1e-6).tolist()
+        assert [r["advantage"] for r in records] == pytest.approx(expected, abs=1e-9)
+        assert sorted({(r["group"], r["sample"]) for r in records}) == [(g, s) for g in range(8) for s in range(16)]
+        # Two mini-batches and IcePop: pi_prox recomputed, correction weights on every trained token.
+        assert all(r["proximal_logprob_mean"] is not None and r["correction_weight_mean"] is not None for r in records)
+        assert all(r["staleness"] == 0 and r["version"] == step - 1 for r in records)
+    # TensorBoard: rl.log_samples (4) rows per step, those of the dump's evenly spread records.
+    tables = read_texts(str(run / "tb"))[f"{ROLLOUT_TABLE_TAG}/text_summary"]
+    assert sorted(tables) == list(range(1, LAYOUT_STEPS + 1))
+    for step, table in tables.items():
+        rows = table.splitlines()[2:]
+        shown = [(r["group"], r["sample"]) for r in table_rows(dump[step], 4)]
+        assert [tuple(int(cell) for cell in row.split(" | ")[:2]) for row in (r[2:] for r in rows)] == shown
+
+
+@pytest.mark.parametrize("layout", ["dp2", "dp2_off", "dp2_tp2", "async_k0_one", "async_k0_dp2"])
+def test_every_layout_dumps_the_same_rollouts(layout_runs, layout):
+    out = layout_runs["out"]
+    baseline = read_dump(out / DUMP_FOLDERS["one"])
+    if layout in ("dp2_off", "dp2_tp2"):
+        baseline = {step: baseline[step] for step in range(1, OFF_VS_TP_STEPS + 1)}
+    assert_same_dump(read_dump(out / DUMP_FOLDERS.get(layout, layout)), baseline, layout)
+
+
+def test_a_resumed_run_dumps_every_step_once(layout_runs):
+    out = layout_runs["out"]
+    uninterrupted, resumed = read_dump(out / "async_k2_dp2"), read_dump(out / "async_resumed")
+    # The planted step-3 file was replaced by the resumed run's, the partial one removed.
+    assert_same_dump(resumed, uninterrupted, "async_resumed")
+    assert not list((out / "async_resumed" / rollout_files.ROLLOUTS).glob("*.partial"))
+    assert [r["staleness"] for r in resumed[LAYOUT_STEPS]] == [2] * 8 * 16
+
+
+@pytest.mark.parametrize("layout", ["turns_cp2", "turns_dp2_tp2"])
+def test_multi_turn_dumps_hold_the_episodes_turns_on_every_layout(layout_runs, layout):
+    out, scalars = layout_runs["out"], layout_runs["turns_one"]
+    baseline = read_dump(out / "turns_one")
+    assert_same_dump(read_dump(out / layout), baseline, layout)
+    for step, records in baseline.items():
+        n = len(records)
+        assert sum(r["num_turns"] for r in records) / n == pytest.approx(scalars["rl/turns_mean"][step], rel=1e-6)
+        observed = [sum(len(t["token_ids"]) for t in r["turns"] if t["role"] != "assistant") for r in records]
+        assert sum(observed) / n == pytest.approx(scalars["rl/observation_tokens_mean"][step], rel=1e-6)
+        for r in records:
+            assert sum(len(t["token_ids"]) for t in r["turns"]) == r["num_completion_tokens"]
+            assert [t["role"] == "assistant" for t in r["turns"]] == [i % 2 == 0 for i in range(len(r["turns"]))]
+            assert sum(t["role"] == "assistant" for t in r["turns"]) == r["num_turns"]
+    assert {t["role"] for r in baseline[1] for t in r["turns"]} == {
+        "assistant",
+        "user",
+    }  # guess_number answers as the user
+
+
 def test_balancing_lowers_the_logged_dp_cost_imbalance(layout_runs):
     imbalance = "data/dp_cost_imbalance"
     on, off, tp = layout_runs["dp2"], layout_runs["dp2_off"], layout_runs["dp2_tp2"]
@@ -474,12 +591,45 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(uninterrupted, tmp_path
     shutil.copytree(uninterrupted, resumed)
     shutil.rmtree(resumed / "checkpoint" / f"step-{STEPS}")
     shutil.rmtree(resumed / "tb")
+    plant_stale_dump(resumed, SAVE_INTERVAL + 5)
+    rollout_files.write_step(str(resumed / rollout_files.EVALS), STEPS + 30, [{"kind": "eval", "stale": 1}])
     log = run(resumed)
     assert f"resuming after step {SAVE_INTERVAL}" in log and "SFT warm-up" not in log
     want, got = read_scalars(str(uninterrupted / "tb")), read_scalars(str(resumed / "tb"))
     for tag in EXACT_TAGS:
         expected = {s: v for s, v in want[tag].items() if s > SAVE_INTERVAL}
         assert expected and got[tag] == expected, tag
+    # Every step's rollouts and evaluations once, those of the run that trained it: the steps
+    # after the checkpoint made again, the planted ones replaced or removed.
+    for kind in rollout_files.KINDS:
+        assert read_dump(resumed, kind) == read_dump(uninterrupted, kind), kind
+    assert not list((resumed / rollout_files.ROLLOUTS).glob("*.partial"))
+
+
+def test_evaluations_are_dumped_per_prompt_with_the_logged_pass_rates(uninterrupted):
+    scalars, evals = read_scalars(str(uninterrupted / "tb")), read_dump(uninterrupted, rollout_files.EVALS)
+    assert sorted(evals) == [0, EVAL_INTERVAL, STEPS]
+    assert sorted(read_dump(uninterrupted)) == list(range(1, STEPS + 1))
+    for step, records in evals.items():
+        n = len(records)
+        assert [r["prompt_index"] for r in records] == list(range(n)) and n > 1
+        assert sum(r["pass@1"] for r in records) / n == pytest.approx(scalars["eval/pass@1"][step], rel=1e-6)
+        assert sum(r["pass@k"] for r in records) / n == pytest.approx(scalars["eval/pass@8"][step], rel=1e-6)
+        sampled = sum(r["num_correct"] for r in records) / (8 * n)
+        assert sampled == pytest.approx(scalars["eval/sampled_pass@1"][step], rel=1e-6)
+        for r in records:
+            assert r["k"] == len(r["samples"]) == 8 and r["num_correct"] == sum(s["correct"] for s in r["samples"])
+            assert r["pass@k"] == float(r["num_correct"] > 0) and r["pass@1"] == float(r["greedy"]["correct"])
+            greedy = r["greedy"]
+            text = (
+                re.sub(r"<\|\w+\|>$", "", greedy["completion"])
+                if greedy["stop_reason"] == "stop"
+                else greedy["completion"]
+            )
+            assert greedy["correct"] == (text.strip() == r["answer"])  # the task's exact match
+    assert max(scalars["eval/pass@1"].values()) > 0  # premise: some answers are right
+    tables = read_texts(str(uninterrupted / "tb"))[f"{EVAL_TABLE_TAG}/text_summary"]
+    assert sorted(tables) == sorted(evals) and all(len(t.splitlines()) == 2 + 4 for t in tables.values())
 
 
 # ------------------------------------------------------------------ a rollout rank fails

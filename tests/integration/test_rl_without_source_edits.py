@@ -1,4 +1,4 @@
-"""RL set up without source edits, through ``train.py``: the README's task factory
+"""RL set up without source edits, through ``train.py``: docs/rl.md's task factory
 (``tests/unit/rl_plugins/sort_digits.py``, importable from ``PYTHONPATH``) trains as
 ``rl.task``; ``rl.sft_warmup_only`` warms up, evaluates and saves the warmed-up model as a
 Hugging Face export, then exits; a GRPO run starts from that export. The GRPO run's step-0

@@ -16,6 +16,7 @@ from pathlib import Path
 import tokenizers
 
 from reference import launch_env
+from torchtitan_rl import rollout_files
 from torchtitan_rl.tensorboard_io import read_scalars
 from unit.test_tokenizer import QWEN_SPECIAL_TOKENS, make_hf_tokenizer_dir
 
@@ -165,3 +166,11 @@ def test_vlm_grpo_recipe_trains_on_image_prompts_on_two_ranks(tmp_path):
     # Sampler and trainer both see the images: their log-probs of the sampled tokens agree.
     assert all(value < 1e-4 for value in scalars["rl/sampler_logprob_diff_max"].values())
     assert len(scalars["sft_warmup/loss"]) == 10
+    # The dump names every prompt's images (the shapes task draws one per prompt).
+    for kind in rollout_files.KINDS:
+        folder = str(tmp_path / kind)
+        for step in rollout_files.dumped_steps(folder):
+            for record in rollout_files.read_step(folder, step):
+                [image] = record["images"]
+                assert image["where"] and min(image["grid"]) > 0 and image["source"], record["images"]
+    assert rollout_files.dumped_steps(str(tmp_path / "evals")) == [0, steps]

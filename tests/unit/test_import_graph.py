@@ -21,7 +21,9 @@ LAYERS = {
     # checked without torch or any part of the package.
     f"{PACKAGE}.config": 1,
     f"{PACKAGE}.tensorboard_io": 1,  # reads logged scalars back (scripts, tests)
+    f"{PACKAGE}.rollout_files": 1,  # the rollout and evaluation dumps' files: written, read (no torch)
     f"{PACKAGE}.distributed": 2,  # torch.distributed building blocks
+    f"{PACKAGE}.rollout_viewer": 2,  # scripts/show_rollouts.py's tables and page (no torch)
     f"{PACKAGE}.optim": 2,  # AdamW and the schedule, over plain and DTensor parameters
     f"{PACKAGE}.data": 3,
     f"{PACKAGE}.models": 3,

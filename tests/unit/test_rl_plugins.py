@@ -16,7 +16,7 @@ from torchtitan_rl.rl.plugins import UserCodeError
 from torchtitan_rl.rl.rollouts import ScoredGroup, rollout_metrics, rollout_sums
 from torchtitan_rl.rl.tasks import PluginTask, build_task
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+RL_DOCS = Path(__file__).resolve().parents[2] / "docs" / "rl.md"
 ROWS = [
     {"prompt": "Name a primary colour.", "accepted": ["red", "blue", "yellow"], "level": 1},
     {"prompt": "Name a vowel.", "answer": "a", "accepted": ["a", "e", "i", "o", "u"], "level": 2},
@@ -194,7 +194,7 @@ def test_a_broken_task_factory_is_named(path, error, message):
     assert message in str(info.value)
 
 
-def test_the_readme_worked_example_is_the_tested_one():
-    """The README shows ``sort_digits.py`` as this test package has it."""
+def test_the_documented_worked_example_is_the_tested_one():
+    """docs/rl.md shows ``sort_digits.py`` as this test package has it."""
     source = Path(sort_digits.__file__).read_text()
-    assert f"```python\n{source}```" in README.read_text()
+    assert f"```python\n{source}```" in RL_DOCS.read_text()

@@ -553,6 +553,20 @@ class RL:
     eval_num_samples: int = bounded(8, ge=1)
     """k of the sampled pass@k evaluation (completions per held-out prompt)."""
 
+    dump_rollouts: bool = True
+    """Write every trained rollout of every step to <job.dump_folder>/rollouts/step-<N>.jsonl.gz
+    and every evaluation to <job.dump_folder>/evals/step-<N>.jsonl.gz (text, token counts,
+    reward and its components, advantage, policy version, log-prob means; fields in docs/rl.md).
+    Gathered to rank 0 and written by a background thread; roughly the completions' text
+    gzip-compressed per step. Read them with scripts/show_rollouts.py."""
+
+    log_samples: int = bounded(4, ge=0)
+    """Rollouts per step (and evaluation prompts per evaluation) shown as a TensorBoard text
+    table (tags rollouts/samples and eval/samples): prompt, completion, reward, advantage. 0: none."""
+
+    print_samples: bool = False
+    """Also print the rl.log_samples table to the console every metrics.log_freq steps."""
+
     sft_warmup_steps: int = bounded(0, ge=0)
     """SFT steps before RL on answered problems of the task that are neither RL training nor
     held-out prompts: fresh problems of a built-in task; for a dataset task or a task factory,

@@ -82,6 +82,9 @@ class Sample:
     # replaces the token's embedding, or -1. Image placeholder tokens are never loss tokens.
     images: list[SampleImage] | None = None
     vision_rows: torch.Tensor | None = None  # [n] int64, aligned with input_ids
+    # RL: what the rollout dump keeps of the rollout the sample came from (its group, reward,
+    # stop reason, ...: ``rl/rollout_dump.py``); no loss reads it.
+    rollout_info: dict | None = None
 
     @classmethod
     def from_tokens(cls, tokens: list[int], target_mask: list[bool]) -> "Sample":

@@ -56,6 +56,7 @@ from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.proximal import proximal_source, set_proximal_logprobs
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
+from torchtitan_rl.rl.rollout_dump import RolloutLog, completion_entry, eval_record
 from torchtitan_rl.rl.rollout_ranks import (
     RolloutClient,
     WeightSender,
@@ -71,7 +72,7 @@ from torchtitan_rl.rl.rollouts import (
     to_samples,
 )
 from torchtitan_rl.rl.step_sampler import StepSampler, completion_text, timed
-from torchtitan_rl.rl.tasks import GENERATED_TASKS, answered_rows, build_task
+from torchtitan_rl.rl.tasks import GENERATED_TASKS, Reward, answered_rows, build_task
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ class GRPORecipe(Recipe):
         extra = {"reference": self.reference.model} if self.reference is not None else None
         rollouts = {"rollouts": self.rollout_client} if self.rollout_client is not None else None
         self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts)
+        self.rollout_log = RolloutLog(job_config, self.tokenizer, dims, self.rank, self.metrics.writer)
 
     def setup(self) -> bool:
         """Resume from the latest checkpoint; or, on a fresh run, the SFT warm-up (unless the run
@@ -187,6 +189,7 @@ class GRPORecipe(Recipe):
                         ref.copy_(param)
             elif self.job_config.rl.use_reference:
                 check_adapters_add_nothing(self.engine.model)
+        self.rollout_log.start(self.train_state.step)
         if self.rollout_client is not None:
             sent = self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
             if sent:
@@ -195,10 +198,13 @@ class GRPORecipe(Recipe):
         return resumed
 
     def close(self) -> None:
-        """Finish the recipe's asynchronous work (``Recipe.close``), then stop this rank's
-        heartbeat (with rollout ranks)."""
+        """Finish the recipe's asynchronous work (the rollout dump's writes, ``Recipe.close``),
+        then stop this rank's heartbeat (with rollout ranks)."""
         try:
-            super().close()
+            try:
+                self.rollout_log.close()
+            finally:
+                super().close()
         finally:
             if self.rollout_client is not None:
                 self.rollout_client.topology.close()
@@ -428,6 +434,8 @@ class GRPORecipe(Recipe):
             # One update at the sampler's weights (no staleness): its |logp - logp_sampler| is the mismatch.
             values["rl/sampler_logprob_diff_mean"] = values["rl/logprob_diff_mean"]
             values["rl/sampler_logprob_diff_max"] = values["rl/logprob_diff_max"]
+        with timed(times, "rollout_log"):
+            self.rollout_log.log_step(step, all_samples)
         if self.rollout_client is not None and is_version_sent(step, cfg.training.steps, rl.max_staleness):
             with timed(times, "weight_sync"):
                 values["comm/weight_sync_bytes"] = float(self.rollout_client.send_weights(self.engine.model, step))
@@ -534,11 +542,11 @@ class GRPORecipe(Recipe):
 
     # ------------------------------------------------------------------ evaluation
 
-    def _is_correct(self, problem, rollout) -> bool:
-        """An episode's environment's verdict, or the task's of a single-turn completion."""
+    def _eval_reward(self, problem, rollout) -> Reward:
+        """An episode's environment's reward and verdict, or the task's of a single-turn completion."""
         if isinstance(rollout, EpisodeRollout):
-            return rollout.correct
-        return self.task.reward(problem, *completion_text(self.tokenizer, rollout)).correct
+            return Reward(rollout.reward, rollout.correct, {})
+        return self.task.reward(problem, *completion_text(self.tokenizer, rollout))
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Greedy pass@1 and sampled pass@k of the policy after ``step`` on the held-out
@@ -557,18 +565,24 @@ class GRPORecipe(Recipe):
             engine = EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
         greedy_params = dataclasses.replace(self.sampling, temperature=0.0)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
+        records = []
         with failures_shared(self._training_ranks()):  # the environment's and the reward's code
             greedy = engine.generate(prompts, indices, 1, greedy_params, seed, -step, images)
             sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step, images)
             for i, index in enumerate(indices):
                 problem = self.task.eval_problems[index]
-                correct = [self._is_correct(problem, r) for r in sampled[i * k : (i + 1) * k]]
-                greedy_correct = float(self._is_correct(problem, greedy[i]))
-                sums += torch.tensor(
-                    [1.0, greedy_correct, pass_at_k(k, sum(correct), k), sum(correct) / k], dtype=torch.float64
-                )
+                rollouts = sampled[i * k : (i + 1) * k]
+                rewards = [self._eval_reward(problem, r) for r in rollouts]
+                num_correct = sum(r.correct for r in rewards)
+                greedy_reward = self._eval_reward(problem, greedy[i])
+                passed = pass_at_k(k, num_correct, k)
+                sums += torch.tensor([1.0, float(greedy_reward.correct), passed, num_correct / k], dtype=torch.float64)
+                samples = [completion_entry(r, reward) for r, reward in zip(rollouts, rewards)]
+                greedy_entry = completion_entry(greedy[i], greedy_reward)
+                records.append(eval_record(step, index, problem.answer, greedy_entry, samples, passed, greedy[i]))
         if dist.is_initialized():
             dist.all_reduce(sums, group=self.parallel_dims.trainer_group())
+        self.rollout_log.log_eval(step, records, self.parallel_dims.trainer_group())
         n = float(sums[0].clamp(min=1))
         return {
             "eval/pass@1": float(sums[1]) / n,

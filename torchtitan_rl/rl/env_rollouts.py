@@ -26,6 +26,8 @@ class EpisodeRollout(Rollout):
     num_turns: int = 1
     end_reason: str = "done"  # "done", "max_turns" or "length" (rl/episodes.py)
     num_observation_tokens: int = 0
+    # Per observation (in order): the roles of the environment's messages, e.g. "tool".
+    observation_roles: list[str] = field(default_factory=list)
     reward: float = 0.0  # the sum of the environment's step rewards
     correct: bool = False  # the last step's verdict
 
@@ -85,6 +87,7 @@ class EpisodeRunner:
             raise ValueError(f"rl.env = {self.env_name!r}: multi-turn episodes take text prompts, not images")
         envs = {(p, s): self._make(p) for p in prompt_indices for s in range(num_samples)}
         totals = {key: [0.0, False] for key in envs}
+        roles: dict[tuple[int, int], list[str]] = {key: [] for key in envs}
 
         def respond(p: int, s: int, turn: list[int]) -> list[int] | None:
             result = self._step(envs[(p, s)], p, decode_completion(self.tokenizer, turn[:-1]))
@@ -93,9 +96,11 @@ class EpisodeRunner:
             if result.done:
                 return None
             try:
-                return tokenize_observation(result.observation, self.tokenizer)
+                tokens = tokenize_observation(result.observation, self.tokenizer)
             except ValueError as err:
                 raise ValueError(f"{self._where(p)}: {err}") from None
+            roles[(p, s)].append("+".join(message["role"] for message in result.observation))
+            return tokens
 
         episodes = generate_episodes(
             self.generator,
@@ -127,6 +132,7 @@ class EpisodeRunner:
                     num_turns=episode.num_turns,
                     end_reason=episode.end_reason,
                     num_observation_tokens=len(mask) - sum(mask),
+                    observation_roles=roles[(episode.prompt_index, episode.sample_index)],
                     reward=reward,
                     correct=correct,
                 )

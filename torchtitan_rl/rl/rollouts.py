@@ -27,6 +27,7 @@ from torchtitan_rl.rl.advantages import group_advantages, zero_variance_groups
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout
 from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import is_penalized
+from torchtitan_rl.rl.rollout_dump import rollout_info
 from torchtitan_rl.rl.tasks import Reward
 from torchtitan_rl.rl.tasks.rewards import OVERLONG_COMPONENT
 
@@ -175,7 +176,7 @@ def to_samples(
     samples = []
     for group in groups:
         images = _group_images(group, vision)
-        for rollout, advantage in zip(group.rollouts, group.advantages):
+        for rollout, reward, advantage in zip(group.rollouts, group.rewards, group.advantages):
             tokens = rollout.prompt_tokens + rollout.completion_tokens
             if len(tokens) - 1 > max_len:
                 raise ValueError(
@@ -187,20 +188,25 @@ def to_samples(
             trained = not (mask_truncated and is_truncated(rollout))
             # An episode's observation tokens sit among its completion tokens but carry no loss.
             sampled = rollout.loss_mask if isinstance(rollout, EpisodeRollout) else [True] * num_completion
-            completion = torch.cat(
-                [torch.zeros(num_prompt, dtype=torch.bool), torch.tensor(sampled, dtype=torch.bool) & trained]
-            )
+            sampled = torch.tensor(sampled, dtype=torch.bool)
+            completion = torch.cat([torch.zeros(num_prompt, dtype=torch.bool), sampled & trained])
+            logprobs = torch.tensor(rollout.logprobs, dtype=torch.float32)
             samples.append(
                 Sample(
                     input_ids=ids[:-1],
                     labels=ids[1:].clone(),
                     loss_mask=completion,
                     advantages=completion.float() * advantage,
-                    sampler_logprobs=torch.cat(
-                        [torch.zeros(num_prompt), torch.tensor(rollout.logprobs, dtype=torch.float32)]
-                    ),
+                    sampler_logprobs=torch.cat([torch.zeros(num_prompt), logprobs]),
                     group_id=group.slot,
                     sampler_version=rollout.version,
+                    rollout_info=rollout_info(
+                        group.slot,
+                        rollout,
+                        reward,
+                        advantage,
+                        float(logprobs[sampled].double().mean()) if bool(sampled.any()) else None,
+                    ),
                 )
             )
             if images:

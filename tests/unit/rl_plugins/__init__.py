@@ -1,5 +1,5 @@
 """Reward functions and task factories a user would write, loaded by import path in
-test_rl_plugins.py (``sort_digits`` is the README's worked example), and broken ones whose
+test_rl_plugins.py (``sort_digits`` is docs/rl.md's worked example), and broken ones whose
 errors must name the function and the problem."""
 
 import os
