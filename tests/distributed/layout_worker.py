@@ -14,6 +14,7 @@ import torchtitan_rl.engine as engine_module
 from generator_cases import run_generator_checks
 from lora_cases import run_lora_checks
 from moe_cases import run_moe_checks
+from preference_cases import run_preference_checks
 from proximal_cases import run_proximal_checks
 from reshard_cases import run_reshard_checks
 from rl_cases import run_rollout_exchange_checks
@@ -421,6 +422,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_moe_checks(dims, results)  # on moe_cases.MOE_LAYOUTS only
         run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
         run_tinker_checks(dims, results)  # on tinker_cases.TINKER_LAYOUTS only
+        run_preference_checks(dims, results)  # on preference_cases.PREFERENCE_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only

@@ -402,3 +402,35 @@ def test_service_without_its_packages_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(checks.importlib.util, "find_spec", lambda name: None if name == "fastapi" else real(name))
     assert_error(list(SERVICE), "job.recipe = 'service' needs fastapi", "pip install -e '.[service]'")
+
+
+DPO = ("--job.recipe", "dpo", "--loss.loss_fn", "dpo", "--loss.reduction", "sum")
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--job.recipe", "dpo", "--loss.reduction", "sum"], ["loss.loss_fn", "dpo, ipo, simpo", "'cross_entropy'"]),
+        (["--job.recipe", "dpo", "--loss.loss_fn", "dpo"], ["loss.reduction", "'sum'", "'token_mean'"]),
+        ([*DPO, "--loss.kl_coef", "0.1"], ["loss.kl_coef: not used by job.recipe = 'dpo'"]),
+        ([*DPO, "--loss.simpo_gamma", "1.0"], ["loss.simpo_gamma: only used with loss.loss_fn = 'simpo'"]),
+        ([*DPO, "--loss.beta", "0"], ["loss.beta must be > 0"]),
+        ([*DPO, "--loss.label_smoothing", "0.5"], ["loss.label_smoothing must be in [0, 0.5)"]),
+        ([*DPO, "--rl.group_size", "4"], ["rl.group_size: only used with job.recipe = 'grpo'"]),
+        ([*DPO, "--generation.max_new_tokens", "8"], ["generation.max_new_tokens", "preference.eval_interval > 0"]),
+        ([*DPO, "--preference.eval_interval", "2", "--generation.temperature", "0.5"], ["generation.temperature"]),
+        ([*DPO, "--preference.num_eval_pairs", "8"], ["preference.num_eval_pairs: only used with"]),
+        (["--loss.beta", "0.2"], ["loss.beta: only used with job.recipe = 'dpo'"]),
+        (["--preference.eval_interval", "2"], ["preference.eval_interval: only used with job.recipe = 'dpo'"]),
+        (["--loss.loss_fn", "ipo"], ["loss.loss_fn: 'ipo' is a preference loss", "job.recipe = 'dpo'"]),
+    ],
+)
+def test_preference_key_rules(argv, fragments):
+    assert_error(argv, *fragments)
+
+
+def test_preference_recipes_parse():
+    cfg = parse("--job.config_file", "train_configs/debug_dpo.toml")
+    assert (cfg.job.recipe, cfg.loss.loss_fn, cfg.loss.reduction) == ("dpo", "dpo", "sum")
+    cfg = parse(*DPO, "--loss.loss_fn", "simpo", "--loss.simpo_gamma", "1.0", "--preference.eval_interval", "5")
+    assert (cfg.loss.simpo_gamma, cfg.preference.eval_interval) == (1.0, 5)

@@ -34,6 +34,17 @@ def conversation(row: dict) -> tuple[str, str]:
     return user["content"], assistant["content"]
 
 
+def test_arithmetic_preferences_choose_the_right_answer_over_a_near_miss():
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+    for row in BUILTIN_TASKS["arithmetic_preferences"](300, seed=0):
+        [user] = row["prompt"]
+        a, op, b = user["content"].removeprefix("What is ").removesuffix("?").split()
+        right = ops[op](int(a), int(b))
+        assert row["chosen"] == str(right)
+        wrong = int(row["rejected"])
+        assert wrong >= 0 and 1 <= abs(wrong - right) <= 10
+
+
 def test_arithmetic_answers_are_correct():
     ops = {"+": operator.add, "-": operator.sub, "*": operator.mul}
     seen_ops = set()

@@ -17,8 +17,8 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
 from torchtitan_rl.models.lora import LoRASettings, adapters_disabled, is_adapter_key
 from torchtitan_rl.recipes.base import build_model
-from torchtitan_rl.recipes.grpo import base_logprobs, check_adapters_add_nothing
 from torchtitan_rl.recipes.grpo_data import check_lora_reference
+from torchtitan_rl.recipes.reference import base_logprobs, check_adapters_add_nothing
 from torchtitan_rl.rl.generator import TorchGenerator
 
 LORA = LoRASettings(rank=4, alpha=8.0, target_modules=("wq", "wv", "wo", "w2"))
@@ -183,11 +183,12 @@ def test_the_reference_is_exactly_the_base_model_and_the_adapters_come_back():
 
 def test_a_lora_reference_needs_the_base_to_be_the_policy_rl_starts_from():
     model = build_model(ARGS, parallel_dims=single(), device=CPU, seed=0, param_dtype=torch.float32, lora=LORA)
-    check_adapters_add_nothing(model)  # B = 0 as initialized: the base is the policy
+    check_adapters_add_nothing(model, "drop the reference")  # B = 0 as initialized: the base is the policy
     with torch.no_grad():
         model.layers["1"].feed_forward.w2.lora_b.weight[3, 1] = 1e-3
-    with pytest.raises(ValueError, match="rl.use_reference with lora.enable.*layers.1.feed_forward.w2 and 0 more"):
-        check_adapters_add_nothing(model)
+    match = "lora.enable with a reference policy.*layers.1.feed_forward.w2 and 0 more.*or drop the reference"
+    with pytest.raises(ValueError, match=match):
+        check_adapters_add_nothing(model, "drop the reference")
 
 
 def test_a_warm_up_with_a_lora_reference_is_refused():

@@ -26,6 +26,7 @@ from torchtitan_rl.losses.loss_fns import (
     token_terms,
     weighted_loss,
 )
+from torchtitan_rl.losses.preference import PREFERENCE_LOSSES
 from torchtitan_rl.losses.reduction import local_counts, token_weights
 from torchtitan_rl.recipes.sft import sft_loss_fn
 
@@ -292,7 +293,8 @@ def test_registry_matches_config_choices():
     import typing
 
     hints = typing.get_type_hints(Loss)
-    assert typing.get_args(hints["loss_fn"]) == tuple(LOSS_FNS)
+    # The per-token losses, then the preference losses (losses.preference, job.recipe = "dpo").
+    assert typing.get_args(hints["loss_fn"]) == (*LOSS_FNS, *PREFERENCE_LOSSES)
     assert typing.get_args(hints["kl_estimator"]) == KL_ESTIMATORS
     assert Loss().kl_estimator == resolve_loss_fn("cross_entropy").options["kl_estimator"]
     # Unset (None) options take each loss function's default.

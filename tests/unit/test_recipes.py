@@ -12,6 +12,7 @@ from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.recipes import RECIPES, get_recipe
 from torchtitan_rl.recipes.base import REDUCE_DTYPES, describe_os_error, model_args_from_config
+from torchtitan_rl.recipes.dpo import DPORecipe
 from torchtitan_rl.recipes.grpo import GRPORecipe, build_grpo
 from torchtitan_rl.recipes.grpo_data import generation_dtype
 from torchtitan_rl.recipes.service import build_service
@@ -37,9 +38,9 @@ def test_registry_matches_the_config_choices():
     ]
     assert set(RECIPES) == set(choices)
     assert get_recipe("grpo") is build_grpo and get_recipe("sft") is SFTRecipe
-    assert get_recipe("service") is build_service
-    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'dpo'.*\['grpo', 'service', 'sft'\]"):
-        get_recipe("dpo")
+    assert get_recipe("service") is build_service and get_recipe("dpo") is DPORecipe
+    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'ppo'.*\['dpo', 'grpo', 'service', 'sft'\]"):
+        get_recipe("ppo")
 
 
 def test_os_error_names_the_config_key(tmp_path):
@@ -111,7 +112,7 @@ def test_grpo_warmup_runs_in_setup_and_seeds_the_reference(tmp_path):
     recipe.setup()
     warmed = params_of(recipe)
     assert any(not torch.equal(a, b) for a, b in zip(warmed, initial))
-    for ref, policy in zip(recipe.reference.model.parameters(), warmed):
+    for ref, policy in zip(recipe.reference.copy.model.parameters(), warmed):
         torch.testing.assert_close(ref.detach(), policy, rtol=0, atol=0)
     recipe.close()
 

@@ -562,9 +562,10 @@ def test_unused_or_invalid_options_are_rejected(name, options, match):
 def test_registry_names():
     assert sorted(TASKS) == ["arithmetic", "calculator", "dataset", "guess_number", "reverse", "shapes"]
     # Every SFT task is an RL task (the image ones with a question mix of their own); the
-    # environments' problems are RL-only (their answers take several turns).
+    # environments' problems are RL-only (their answers take several turns), the preference
+    # pairs are the DPO recipe's only.
     assert (
         set(TASKS) - {"dataset", *ENV_QUESTION_GENERATORS}
-        == set(BUILTIN_TASKS)
+        == set(BUILTIN_TASKS) - {"arithmetic_preferences"}
         == set(GENERATED_TASKS) - set(ENV_QUESTION_GENERATORS)
     )

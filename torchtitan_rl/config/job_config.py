@@ -30,12 +30,13 @@ class Job:
     description: str = ""
     """Free-form description of the run, for humans."""
 
-    recipe: Literal["sft", "grpo", "service"] = "sft"
+    recipe: Literal["sft", "grpo", "service", "dpo"] = "sft"
     """sft: supervised fine-tuning on training.dataset. grpo: RL from verifiable rewards: the
     policy samples completions of a task's prompts ([rl], [generation]), a verifier rewards
     them, and the loss of [loss] trains on group advantages. service: a Tinker-compatible
     training service ([service]): clients of the tinker SDK train LoRA adapters of the model
-    and sample from them over HTTP."""
+    and sample from them over HTTP. dpo: preference learning on training.dataset's chosen /
+    rejected pairs with loss.loss_fn = dpo, ipo or simpo."""
 
 
 @dataclass
@@ -310,7 +311,9 @@ class Loss:
     """Tokens per chunk of the output head and loss: at most this many tokens' logits exist at
     once. Each chunk's gradient is taken during the forward pass, so nothing is recomputed."""
 
-    loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo"] = "cross_entropy"
+    loss_fn: Literal["cross_entropy", "importance_sampling", "ppo", "cispo", "gspo", "dpo", "ipo", "simpo"] = (
+        "cross_entropy"
+    )
     """Per-token policy term, with A the advantage and r = p_theta / p_old (p_old: the
     sampler's, or the proximal policy's when the RL recipe recomputes it):
     cross_entropy: -log p_theta (SFT).
@@ -319,7 +322,24 @@ class Loss:
     cispo: -stopgrad(clip(r, 1-clip_low, 1+clip_high))*A*log p_theta.
     gspo: ppo's form on the sequence ratio s = exp(mean over the sequence's loss tokens of
     log r), clipped per sequence (GSPO; use loss.reduction = "sequence_mean" for the paper's
-    objective). All but cross_entropy need advantages and sampler log-probs (RL recipes)."""
+    objective). importance_sampling, ppo, cispo and gspo need advantages and sampler log-probs
+    (RL recipes). dpo, ipo and simpo are the preference losses of job.recipe = "dpo", on a
+    completion's summed log-prob S and the reference's R, with h = (S_c - R_c) - (S_r - R_r):
+    dpo: -log sigmoid(beta*h) (with loss.label_smoothing e: -(1-e) log sigmoid(beta*h) -
+    e log sigmoid(-beta*h)); ipo: (h' - 1/(2*beta))^2, h' = h with each log-ratio divided by its
+    completion's tokens; simpo (no reference): -log sigmoid(beta*(S_c/n_c - S_r/n_r) - gamma),
+    gamma = loss.simpo_gamma."""
+
+    beta: float = 0.1
+    """dpo / ipo / simpo: the preference losses' beta (DPO's KL strength; IPO's tau; SimPO's
+    reward scale); > 0."""
+
+    label_smoothing: float = 0.0
+    """dpo / simpo: the probability that a pair's labels are flipped (conservative DPO); in
+    [0, 0.5)."""
+
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin gamma."""
 
     clip_low: float | None = None
     """ppo / cispo / gspo: the ratio's lower clip bound is 1 - clip_low; in [0, 1). None: the
@@ -722,6 +742,22 @@ class Service:
 
 
 @dataclass
+class Preference:
+    """Preference learning (job.recipe = "dpo"): evaluation on pairs held out of training.dataset."""
+
+    eval_interval: int = bounded(0, ge=0)
+    """Evaluate every this many steps (and at step 0 and the last step) on preference.num_eval_pairs
+    pairs held out of training.dataset: the loss and rewards/* of the pairs (eval/loss,
+    eval/rewards/accuracies, ...), and how often the greedy completion of a pair's prompt is its
+    chosen completion token for token (eval/greedy_is_chosen; generation.max_new_tokens,
+    generation.stop_tokens). 0 disables evaluation and holds no pair out."""
+
+    num_eval_pairs: int = bounded(64, ge=1)
+    """Pairs held out of training.dataset for evaluation (a seeded draw of rows, never trained
+    on), with preference.eval_interval > 0."""
+
+
+@dataclass
 class Metrics:
     """Logging."""
 
@@ -865,6 +901,7 @@ class JobConfig:
     rl: RL = field(default_factory=RL)
     generation: Generation = field(default_factory=Generation)
     service: Service = field(default_factory=Service)
+    preference: Preference = field(default_factory=Preference)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

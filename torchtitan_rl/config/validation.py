@@ -97,8 +97,16 @@ def _check_recipe(cfg) -> None:
     """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
     if cfg.job.recipe != "service" and non_default_keys(cfg.service):
         raise ValueError(f"service.{non_default_keys(cfg.service)[0]}: only used with job.recipe = 'service'")
+    if cfg.job.recipe != "dpo":
+        unused = [f"loss.{key}" for key in _PREFERENCE_LOSS_KEYS if key in non_default_keys(cfg.loss)]
+        unused += [f"preference.{key}" for key in non_default_keys(cfg.preference)]
+        if unused:
+            raise ValueError(f"{unused[0]}: only used with job.recipe = 'dpo' (preference learning)")
     if cfg.job.recipe == "service":
         _check_service(cfg)
+        return
+    if cfg.job.recipe == "dpo":
+        _check_dpo(cfg)
         return
     if cfg.job.recipe == "sft":
         for name in ("rl", "generation"):
@@ -303,6 +311,42 @@ def _check_checkpoint(cfg) -> None:
             # Fail closed: a saving or resuming option on a run that never checkpoints is a
             # forgotten checkpoint.enable.
             raise ValueError(f"checkpoint.{key}: only used with checkpoint.enable = true")
+
+
+# The keys of [loss] only the preference losses read, and those they never read.
+_PREFERENCE_LOSS_KEYS = ("beta", "label_smoothing", "simpo_gamma")
+# What the preference evaluation's greedy generation reads of [generation].
+_PREFERENCE_EVAL_GENERATION_KEYS = ("max_new_tokens", "stop_tokens", "dtype", "max_prompts_per_batch")
+_POLICY_LOSS_KEYS = ("horizon", "clip_low", "clip_high", "dual_clip_c", "kl_coef", "kl_estimator", "entropy_coef")
+
+
+def _check_dpo(cfg) -> None:
+    """Preference learning trains on dataset pairs with a loss over whole pairs: no sampling, and
+    none of the per-token policy loss's keys."""
+    if non_default_keys(cfg.rl):
+        raise ValueError(f"rl.{non_default_keys(cfg.rl)[0]}: only used with job.recipe = 'grpo'")
+    unused = [key for key in non_default_keys(cfg.generation) if key not in _PREFERENCE_EVAL_GENERATION_KEYS]
+    if unused or (non_default_keys(cfg.generation) and not cfg.preference.eval_interval):
+        key = (unused or non_default_keys(cfg.generation))[0]
+        raise ValueError(
+            f"generation.{key}: job.recipe = 'dpo' generates only in its evaluation (preference.eval_interval > 0), "
+            f"greedily, with generation.{', generation.'.join(_PREFERENCE_EVAL_GENERATION_KEYS)}"
+        )
+    if cfg.parallelism.rollout_ranks:
+        raise ValueError("parallelism.rollout_ranks: only used with job.recipe = 'grpo'")
+    if "num_eval_pairs" in non_default_keys(cfg.preference) and not cfg.preference.eval_interval:
+        raise ValueError("preference.num_eval_pairs: only used with preference.eval_interval > 0")
+    loss = cfg.loss
+    unused = [key for key in _POLICY_LOSS_KEYS if key in non_default_keys(loss)]
+    if unused:
+        raise ValueError(f"loss.{unused[0]}: not used by job.recipe = 'dpo' (loss.loss_fn = {loss.loss_fn!r})")
+    if loss.reduction != "sum":
+        raise ValueError(
+            f"loss.reduction: job.recipe = 'dpo' averages its loss over the mini-batch's pairs itself, and trains on "
+            f"a plain weighted sum of token log-probs; set loss.reduction = 'sum', not {loss.reduction!r}"
+        )
+    if loss.loss_fn != "simpo" and "simpo_gamma" in non_default_keys(loss):
+        raise ValueError(f"loss.simpo_gamma: only used with loss.loss_fn = 'simpo', not {loss.loss_fn!r}")
 
 
 # How the service's sampler replica is built; what a sample request carries is the request's.

@@ -101,6 +101,12 @@ def prompt_messages_problem(messages: Any) -> str | None:
     return problem
 
 
+def conversation_problem(messages: Any) -> str | None:
+    """What is wrong with ``messages`` as a training conversation (any roles; contents strings
+    or lists of text/image parts), or None."""
+    return _messages_problem(messages, allow_parts=True)
+
+
 def render_chat(messages: list[dict[str, str]]) -> str:
     """The ChatML text of ``messages``; ``tokenize_row`` produces exactly its tokens."""
     problem = _messages_problem(messages)
@@ -248,6 +254,8 @@ def tokenize_row_with_images(row: dict[str, Any], tokenizer: Tokenizer, base_dir
         problem = f"'text' must be a string, got {type(row['text']).__name__}"
     else:
         problem = "it matches no supported format"
+    if row.get("chosen") is not None or row.get("rejected") is not None:
+        problem += " (its 'chosen' / 'rejected' make it a preference pair, data for job.recipe = \"dpo\")"
     raise ValueError(f"dataset row with keys {sorted(row)} is invalid: {problem}; expected {ACCEPTED_FORMATS}")
 
 

@@ -1,4 +1,5 @@
-"""The SFT step loader: each step, this rank's share of the next global mini-batch.
+"""The SFT step loader: each step, this rank's share of the next global mini-batch (of
+samples, or of preference pairs whose two samples may go to different ranks).
 
 All ranks walk the same global sample stream and tokenize every sample of each global
 mini-batch, so the mini-batch (and which samples are dropped) does not depend on the number
@@ -23,6 +24,7 @@ from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, assign_to_ranks, contiguous_split, imbalance
+from torchtitan_rl.data.preferences import plan_preference_row
 from torchtitan_rl.data.rows import row_base_dir, row_where
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import Tokenizer
@@ -36,6 +38,8 @@ _COUNTERS = ("num_samples", "num_truncated", "num_dropped", "num_too_short", "nu
 # num_images: images of the samples kept; num_dropped_image_cut: samples longer than seq_len
 # that the truncate policy dropped because the cut would split an image.
 _VISION_COUNTERS = ("num_images", "num_dropped_image_cut")
+# Only with preference pairs: num_pairs kept, num_identical_pairs dropped (nothing to prefer).
+_PREFERENCE_COUNTERS = ("num_pairs", "num_identical_pairs")
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,14 @@ class SFTDataLoader(IterableDataset):
     ``prepare`` (optional) turns the rank's samples into what the trainer steps on, e.g.
     ``Engine.prepare``'s planned and packed micro-batches; the loader then yields its results,
     computed on the prefetch thread like the rest. It must not run collectives.
+
+    ``preference_pairs``: every row is a preference pair (``data.preferences``) that becomes two
+    samples, the chosen then the rejected completion, kept or dropped together. A global
+    mini-batch then takes ``global_batch_size`` pairs: pair k is its samples 2k and 2k + 1, both
+    with ``group_id = k``, ``preferred`` True and False. The ``2 * global_batch_size`` samples
+    are split over the ranks as above, so a pair's two samples may train on different ranks.
+    A pair is never truncated, whatever ``long_sample_policy`` says (a cut answer would be
+    compared with a whole one): a pair with a side longer than ``seq_len`` is dropped.
     """
 
     def __init__(
@@ -130,6 +142,7 @@ class SFTDataLoader(IterableDataset):
         prepare: Callable[[list[Sample]], Any] | None = None,
         max_tokens_per_microbatch: int = 0,
         cost_model: CostModel = DEFAULT_COST_MODEL,
+        preference_pairs: bool = False,
     ):
         if len(rows) == 0:
             raise ValueError("the dataset has no rows")
@@ -154,18 +167,22 @@ class SFTDataLoader(IterableDataset):
         self.seed = seed
         self.batch_rank = batch_rank
         self.batch_degree = batch_degree
-        self.share = global_batch_size // batch_degree
         self.vision = vision
         self.balance_dp_compute = balance_dp_compute
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.cost_model = cost_model
+        self.preference_pairs = preference_pairs
         self._planner = RowPlanner(tokenizer, vision)
-        self._counter_names = _COUNTERS + (_VISION_COUNTERS if vision is not None else ())
+        self._counter_names = (
+            _COUNTERS
+            + (_VISION_COUNTERS if vision is not None else ())
+            + (_PREFERENCE_COUNTERS if preference_pairs else ())
+        )
         self._balance_stats: dict[str, float] = {}
 
         self._epoch = 0
         self._position = 0  # index of the next row to visit in this epoch's permutation
-        self._num_usable_in_epoch = 0
+        self._num_usable_in_epoch = 0  # rows kept (samples, or pairs)
         self._counters = dict.fromkeys(self._counter_names, 0)
         self._order = self._epoch_order()
         self._warned_no_loss_tokens = False
@@ -184,8 +201,9 @@ class SFTDataLoader(IterableDataset):
     def _advance_epoch(self) -> None:
         # Usability depends only on the row, so an epoch without a usable sample means none ever comes.
         if self._num_usable_in_epoch == 0:
+            unit = "preference pair" if self.preference_pairs else "sample"
             raise ValueError(
-                f"no usable sample in the whole dataset of {len(self.rows)} rows "
+                f"no usable {unit} in the whole dataset of {len(self.rows)} rows "
                 f"(seq_len={self.seq_len}, long-sample policy {self.long_sample_policy!r}): {self._counters}"
             )
         self._epoch += 1
@@ -193,44 +211,63 @@ class SFTDataLoader(IterableDataset):
         self._num_usable_in_epoch = 0
         self._order = self._epoch_order()
 
-    def _next_usable(self) -> PlannedSample:
+    def _plan_row(self, row_index: int) -> list[PlannedSample]:
+        """The samples of one row: one, or a preference pair's chosen and rejected."""
+        row, where, base_dir = self.rows[row_index], row_where(self.rows, row_index), row_base_dir(self.rows, row_index)
+        if self.preference_pairs:
+            return list(plan_preference_row(self._planner, row, row_index, where, base_dir))
+        return [self._planner.plan_row(row, row_index, where, base_dir)]
+
+    def _usable(self, unit: list[PlannedSample]) -> list[PlannedSample] | None:
+        """The samples of a row as trained (possibly truncated), or None when dropped (counted)."""
+        budget = self.vision.max_patches_per_microbatch if self.vision is not None else 0
+        for planned in unit:
+            if budget and planned.num_patches > budget:
+                raise ValueError(
+                    f"{planned.where}: its {len(planned.images)} image(s) have {planned.num_patches} vision "
+                    f"patches, more than training.max_patches_per_microbatch={budget} (samples are never split)"
+                )
+        if any(len(planned.tokens) < 2 for planned in unit):
+            self._counters["num_too_short"] += 1
+            return None
+        if any(len(planned.tokens) - 1 > self.seq_len for planned in unit):
+            if self.preference_pairs or self.long_sample_policy == "drop":
+                self._counters["num_dropped"] += 1
+                return None
+            [planned] = unit
+            # Every placeholder must be an input token (inputs are tokens[:seq_len]), or the
+            # image's features would have nowhere to go.
+            if planned.images_end > self.seq_len:
+                self._counters["num_dropped_image_cut"] += 1
+                return None
+            self._counters["num_truncated"] += 1
+            unit = [planned.truncated(self.seq_len + 1)]
+        if self.preference_pairs and unit[0].tokens == unit[1].tokens:
+            self._counters["num_identical_pairs"] += 1
+            return None
+        return unit
+
+    def _next_usable(self) -> list[PlannedSample]:
+        """The samples of the next row that is kept."""
         while True:
             if self._position == len(self._order):
                 self._advance_epoch()
             row_index = self._order[self._position]
             self._position += 1
-            planned = self._planner.plan_row(
-                self.rows[row_index], row_index, row_where(self.rows, row_index), row_base_dir(self.rows, row_index)
-            )
-            budget = self.vision.max_patches_per_microbatch if self.vision is not None else 0
-            if budget and planned.num_patches > budget:
-                raise ValueError(
-                    f"{planned.where}: its {len(planned.images)} image(s) have {planned.num_patches} vision patches, "
-                    f"more than training.max_patches_per_microbatch={budget} (samples are never split)"
-                )
-            num_tokens = len(planned.tokens)
-            if num_tokens < 2:
-                self._counters["num_too_short"] += 1
+            unit = self._usable(self._plan_row(row_index))
+            if unit is None:
                 continue
-            if num_tokens - 1 > self.seq_len:
-                if self.long_sample_policy == "drop":
-                    self._counters["num_dropped"] += 1
-                    continue
-                # Every placeholder must be an input token (inputs are tokens[:seq_len]), or the
-                # image's features would have nowhere to go.
-                if planned.images_end > self.seq_len:
-                    self._counters["num_dropped_image_cut"] += 1
-                    continue
-                self._counters["num_truncated"] += 1
-                planned = planned.truncated(self.seq_len + 1)
-            if not any(planned.target_mask[1:]):
-                # Kept on purpose: it carries zero loss weight but still counts as a sample of the batch.
-                self._counters["num_without_loss_tokens"] += 1
-            self._counters["num_samples"] += 1
-            if self.vision is not None:
-                self._counters["num_images"] += len(planned.images)
+            for planned in unit:
+                if not any(planned.target_mask[1:]):
+                    # Kept on purpose: it carries zero loss weight but still counts as a sample of the batch.
+                    self._counters["num_without_loss_tokens"] += 1
+                self._counters["num_samples"] += 1
+                if self.vision is not None:
+                    self._counters["num_images"] += len(planned.images)
+            if self.preference_pairs:
+                self._counters["num_pairs"] += 1
             self._num_usable_in_epoch += 1
-            return planned
+            return unit
 
     def __iter__(self) -> "SFTDataLoader":
         return self
@@ -254,18 +291,22 @@ class SFTDataLoader(IterableDataset):
 
     def _produce(self) -> _Batch:
         """The next mini-batch: this rank's samples, with the state and statistics after it."""
-        global_batch = [self._next_usable() for _ in range(self.global_batch_size)]
+        global_batch = [planned for _ in range(self.global_batch_size) for planned in self._next_usable()]
         if not self._warned_no_loss_tokens and not any(any(p.target_mask[1:]) for p in global_batch):
             self._warned_no_loss_tokens = True
             logger.warning(
                 "a global mini-batch of %d samples has no loss tokens at all (e.g. prompts truncated "
                 "away their answers); such steps do not train. Counters so far: %s",
-                self.global_batch_size,
+                len(global_batch),
                 self._counters,
             )
         mine = self._assign(global_batch)[self.batch_rank]
         # Pixels only for this rank's share: decoding is the expensive part of an image.
         samples = [build_sample(global_batch[i], self.vision) for i in mine]
+        if self.preference_pairs:
+            for i, sample in zip(mine, samples):
+                # Pair k is samples 2k (chosen) and 2k + 1 (rejected) of the global mini-batch.
+                sample.group_id, sample.preferred = i // 2, i % 2 == 0
         batch = samples if self.prepare is None else self.prepare(samples)
         return _Batch(batch, self._live_state(), dict(self._balance_stats))
 
@@ -297,11 +338,18 @@ class SFTDataLoader(IterableDataset):
         return dict(self._taken_balance_stats)
 
     def stats(self) -> dict[str, int]:
-        """Global counters (identical on every rank) over all samples visited so far.
+        """Global counters (identical on every rank) over all rows visited so far.
 
         num_samples (kept), num_truncated, num_dropped (too long, drop policy), num_too_short
         (fewer than 2 tokens), num_without_loss_tokens (kept, zero weight); with ``vision``
         also num_images and num_dropped_image_cut (see the class docstring).
+
+        With ``preference_pairs`` a row is a pair, kept or dropped whole: num_samples counts
+        the kept samples (two per pair) and num_pairs the kept pairs; num_dropped the pairs
+        with a side longer than ``seq_len`` (never truncated: a cut answer would be compared,
+        so num_truncated stays 0), num_too_short those with a side of fewer than 2 tokens, and
+        num_identical_pairs those whose chosen and rejected tokens are the same (nothing to
+        prefer).
         """
         return {name: self._taken_state[name] for name in self._counter_names}
 
@@ -322,7 +370,7 @@ class SFTDataLoader(IterableDataset):
         self._epoch = state_dict["epoch"]
         self._position = state_dict["position"]
         self._num_usable_in_epoch = state_dict["num_usable_in_epoch"]
-        # A checkpoint of a text run has no vision counters: they start from 0.
+        # A checkpoint of a text run has no vision counters (nor an SFT run preference ones): they start from 0.
         self._counters = {
             name: state_dict[name] if name in _COUNTERS else state_dict.get(name, 0) for name in self._counter_names
         }
@@ -351,6 +399,7 @@ def build_sft_dataloader(
     prepare: Callable[[list[Sample]], Any] | None = None,
     max_tokens_per_microbatch: int = 0,
     cost_model: CostModel = DEFAULT_COST_MODEL,
+    preference_pairs: bool = False,
 ) -> StatefulDataLoader:
     """A checkpointable loader whose ``state_dict`` carries the exact stream position (see
     ``SFTDataLoader``; with ``prefetch``, call ``.dataset.close()`` when done with it)."""
@@ -369,6 +418,7 @@ def build_sft_dataloader(
         prepare=prepare,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
         cost_model=cost_model,
+        preference_pairs=preference_pairs,
     )
     with warnings.catch_warnings():
         # StatefulDataLoader's constructor calls torch.set_vital, which torch deprecated (it does

@@ -74,6 +74,28 @@ class FileRows(SourcedRows):
         return os.path.dirname(os.path.abspath(self._files[self._file_index[index].as_py()]))
 
 
+class RowSelection(SourcedRows):
+    """The rows ``indices`` of ``rows`` (e.g. a held-out split), each still named by where it came from."""
+
+    def __init__(self, rows: Sequence, indices: Sequence[int]) -> None:
+        self._rows, self._indices = rows, list(indices)
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self._rows[self._indices[index]]
+
+    def source_of(self, index: int) -> str:
+        original = self._indices[index]
+        return (
+            self._rows.source_of(original) if isinstance(self._rows, SourcedRows) else f"row {original} of the dataset"
+        )
+
+    def base_dir(self, index: int) -> str | None:
+        return row_base_dir(self._rows, self._indices[index])
+
+
 def row_where(rows: Sequence, index: int) -> str:
     """How errors name row ``index``: ``dataset row 17``, plus its file and line (or row) when known."""
     if isinstance(rows, SourcedRows):

@@ -74,6 +74,9 @@ class Sample:
     loss_weights: torch.Tensor | None = None  # [n] float
     ratio_mask: torch.Tensor | None = None  # [n] float, non-zero = in the sequence ratio
     group_id: int | None = None
+    # Preference pairs: True for the chosen completion of pair ``group_id``, False for the
+    # rejected one; None otherwise.
+    preferred: bool | None = None
     # RL: the version of the weights that sampled the completion (the RL step they are from),
     # which tells the sampler/trainer mismatch apart from staleness (``rl/*_logprob_diff_*``).
     sampler_version: int | None = None

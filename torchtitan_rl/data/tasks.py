@@ -35,6 +35,22 @@ def reverse(num_samples: int, seed: int) -> list[dict]:
     return _chat_rows(reverse_question, num_samples, seed)
 
 
+def arithmetic_preferences(num_samples: int, seed: int) -> list[dict]:
+    """``num_samples`` preference rows of ``arithmetic_question`` from ``seed``: the question as a
+    conversational prompt, the right answer chosen, a wrong one rejected (the right one off by
+    1 to 10, never negative: a near miss a model can confuse it with)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_samples):
+        question, answer = arithmetic_question(rng)
+        right = int(answer)
+        wrong = right + rng.choice([-1, 1]) * rng.randint(1, 10)
+        if wrong < 0:
+            wrong = right + rng.randint(1, 10)
+        rows.append({"prompt": [{"role": "user", "content": question}], "chosen": answer, "rejected": str(wrong)})
+    return rows
+
+
 def shapes(num_samples: int, seed: int):
     """``num_samples`` vision-language rows of ``data.shapes`` (images of shapes + questions) from ``seed``."""
     # Imported on use: text runs never load pillow.
@@ -44,8 +60,10 @@ def shapes(num_samples: int, seed: int):
 
 
 # SFT tasks (rows); the text ones are also RL tasks through data.questions.QUESTION_GENERATORS.
+# arithmetic_preferences: chosen / rejected pairs for job.recipe = "dpo".
 BUILTIN_TASKS: dict[str, Callable[[int, int], Sequence[dict]]] = {
     "arithmetic": arithmetic,
     "reverse": reverse,
     "shapes": shapes,
+    "arithmetic_preferences": arithmetic_preferences,
 }

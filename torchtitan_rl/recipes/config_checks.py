@@ -11,6 +11,7 @@ import importlib.util
 
 from torchtitan_rl.config import ConfigManager, JobConfig
 from torchtitan_rl.losses.loss_fns import ADVANTAGE_LOSS_FNS, loss_fn_from_config
+from torchtitan_rl.losses.preference import PREFERENCE_LOSSES, preference_loss_from_config
 from torchtitan_rl.models.config_checks import check_model_config
 from torchtitan_rl.rl.tasks import check_task_settings
 
@@ -42,5 +43,13 @@ def check_job_config(cfg: JobConfig) -> None:
                 f"{', '.join(ADVANTAGE_LOSS_FNS)}, not {cfg.loss.loss_fn!r}"
             )
         check_task_settings(cfg.rl)
-    loss_fn_from_config(cfg.loss)
+    if cfg.job.recipe == "dpo":
+        preference_loss_from_config(cfg.loss)
+    elif cfg.loss.loss_fn in PREFERENCE_LOSSES:
+        raise ValueError(
+            f"loss.loss_fn: {cfg.loss.loss_fn!r} is a preference loss; it trains with job.recipe = 'dpo', "
+            f"not {cfg.job.recipe!r}"
+        )
+    else:
+        loss_fn_from_config(cfg.loss)
     check_model_config(cfg)

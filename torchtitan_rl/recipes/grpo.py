@@ -30,15 +30,10 @@ from torchtitan_rl.distributed.utils import failures_shared
 from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config, resolve_loss_fn
 from torchtitan_rl.losses.reduction import NUM_TOKENS
-from torchtitan_rl.models.lora import adapters_disabled, lora_modules
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import (
-    REDUCE_DTYPES,
     Recipe,
     RunContext,
-    build_model,
-    compute_dtype,
-    lora_settings,
     start_run,
 )
 from torchtitan_rl.recipes.grpo_data import (
@@ -49,10 +44,10 @@ from torchtitan_rl.recipes.grpo_data import (
     sampling_params,
     warms_up,
 )
+from torchtitan_rl.recipes.reference import ReferencePolicy
 from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
-from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.proximal import proximal_source, set_proximal_logprobs
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
@@ -77,6 +72,7 @@ from torchtitan_rl.rl.tasks import GENERATED_TASKS, Reward, answered_rows, build
 logger = logging.getLogger(__name__)
 
 _WARMUP_POOL_SIZE = 4096  # distinct problems of a built-in task for the SFT warm-up, at most
+_REFERENCE_REMEDY = "set rl.use_reference = false and loss.kl_coef = 0"
 
 
 def build_grpo(job_config: JobConfig):
@@ -160,10 +156,8 @@ class GRPORecipe(Recipe):
                 self.env_class,
                 data.train_images,
             )
-        # With LoRA the reference is the base under the adapters (``base_logprobs``): nothing to build or save.
-        is_lora = lora_settings(job_config) is not None
-        self.reference = self._build_reference() if rl.use_reference and not is_lora else None
-        extra = {"reference": self.reference.model} if self.reference is not None else None
+        self.reference = ReferencePolicy(self, _REFERENCE_REMEDY) if rl.use_reference else None
+        extra = self.reference.checkpointed() if self.reference is not None else None
         rollouts = {"rollouts": self.rollout_client} if self.rollout_client is not None else None
         self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts)
         self.rollout_log = RolloutLog(job_config, self.tokenizer, dims, self.rank, self.metrics.writer)
@@ -184,11 +178,7 @@ class GRPORecipe(Recipe):
             if warms_up(self.job_config):
                 self._sft_warmup()
             if self.reference is not None:
-                with torch.no_grad():
-                    for ref, param in zip(self.reference.model.parameters(), self.engine.model.parameters()):
-                        ref.copy_(param)
-            elif self.job_config.rl.use_reference:
-                check_adapters_add_nothing(self.engine.model)
+                self.reference.start()
         self.rollout_log.start(self.train_state.step)
         if self.rollout_client is not None:
             sent = self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
@@ -208,28 +198,6 @@ class GRPORecipe(Recipe):
         finally:
             if self.rollout_client is not None:
                 self.rollout_client.topology.close()
-
-    def _build_reference(self) -> Engine:
-        """A frozen copy of the policy, sharded like it; used only through ``Engine.forward``."""
-        dims, cfg = self.parallel_dims, self.job_config
-        model = build_model(
-            self.model_args,
-            parallel_dims=dims,
-            device=self.device,
-            seed=cfg.debug.seed,
-            param_dtype=compute_dtype(cfg, self.device),
-            reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
-        )
-        model.requires_grad_(False)
-        return Engine(
-            model,
-            optimizer=None,
-            lr_scheduler=None,
-            parallel_dims=dims,
-            device=self.device,
-            options=self.engine.options,
-            autocast_dtype=self.engine.autocast_dtype,
-        )
 
     def _sft_warmup(self) -> None:
         """SFT on answered problems of the task that are neither RL nor held-out prompts, with a
@@ -402,11 +370,7 @@ class GRPORecipe(Recipe):
         all_samples = [s for mb in minibatches for s in mb]
         if rl.use_reference:
             with timed(times, "reference"):
-                if self.reference is not None:
-                    reference = self.reference.forward(all_samples).logprobs
-                else:
-                    reference = base_logprobs(self.engine, all_samples)
-                for sample, logprobs in zip(all_samples, reference):
+                for sample, logprobs in zip(all_samples, self.reference.logprobs(all_samples)):
                     sample.ref_logprobs = logprobs
         if self.proximal == "recomputed":
             with timed(times, "old_logprobs"):
@@ -590,26 +554,6 @@ class GRPORecipe(Recipe):
             "eval/sampled_pass@1": float(sums[3]) / n,
             "time/eval_s": time.perf_counter() - start,
         }
-
-
-def base_logprobs(engine: Engine, samples: list[Sample]) -> list[torch.Tensor]:
-    """The reference policy's log-probs under LoRA: the policy's model with its adapters off."""
-    with adapters_disabled(engine.model):
-        return engine.forward(samples).logprobs
-
-
-def check_adapters_add_nothing(model: torch.nn.Module) -> None:
-    """The base is the reference (``base_logprobs``) only when it is the policy RL starts from:
-    every adapter's B is zero, as initialized. Not so when the run starts from trained adapters.
-    Collective over the training ranks (a sharded B is gathered)."""
-    trained = [name for name, m in lora_modules(model).items() if bool(full_tensor(m.lora_b.weight).any())]
-    if trained:
-        raise ValueError(
-            f"rl.use_reference with lora.enable: the run starts from trained adapters ({trained[0]} and "
-            f"{len(trained) - 1} more), so the KL reference (the base, adapters off) is not the policy RL starts "
-            "from; start from the merged weights (lora.export_merged) with fresh adapters, or set "
-            "rl.use_reference = false and loss.kl_coef = 0"
-        )
 
 
 def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:

@@ -11,7 +11,13 @@ from torchtitan_rl.data.datasets import load_rows
 from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.losses.loss_fns import LossFn, loss_fn_from_config
 from torchtitan_rl.losses.reduction import GROUPED_MODES, NUM_TOKENS, SUM_SQUARED_SEQ_LENS
-from torchtitan_rl.recipes.base import Recipe, check_divisible_by_data_parallel, start_run, vision_data_config
+from torchtitan_rl.recipes.base import (
+    Recipe,
+    RunContext,
+    check_divisible_by_data_parallel,
+    start_run,
+    vision_data_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -31,37 +37,56 @@ def sft_loss_fn(job_config: JobConfig) -> LossFn:
     return loss_fn_from_config(loss)
 
 
+def training_rows(job_config: JobConfig, run: RunContext):
+    """The rows of ``training.dataset`` (a recipe that trains on a dataset: SFT, DPO), once the
+    global batch is known to split evenly over the data-parallel ranks."""
+    t = job_config.training
+    check_divisible_by_data_parallel("training.global_batch_size", t.global_batch_size, run.parallel_dims)
+    cache_dir = t.dataset_cache_dir or os.path.join(job_config.job.dump_folder, "dataset_cache")
+    return load_rows(
+        t.dataset,
+        t.dataset_path,
+        t.dataset_split,
+        t.num_synthetic_samples,
+        job_config.debug.seed,
+        cache_dir=cache_dir,
+        cache_timeout_s=t.dataset_cache_timeout_seconds,
+    )
+
+
+def training_loader(recipe: Recipe, rows, **options):
+    """The checkpointable loader of ``rows`` as ``[training]`` sets it, for ``recipe``'s data-parallel
+    rank and model; ``options``: further ``build_sft_dataloader`` keywords (``prepare``,
+    ``preference_pairs``)."""
+    cfg, t = recipe.job_config, recipe.job_config.training
+    return build_sft_dataloader(
+        rows,
+        recipe.tokenizer,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        long_sample_policy=t.long_sample_policy,
+        seed=cfg.debug.seed,
+        batch_rank=recipe.parallel_dims.batch_rank(),
+        batch_degree=recipe.parallel_dims.batch_degree,
+        vision=vision_data_config(cfg, recipe.model_args),
+        balance_dp_compute=t.balance_dp_compute,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        cost_model=recipe.engine.options.cost_model,
+        prefetch=t.dataset_prefetch,
+        **options,
+    )
+
+
 class SFTRecipe(Recipe):
     def __init__(self, job_config: JobConfig):
         self.loss_fn = sft_loss_fn(job_config)
         run = start_run(job_config)
         t = job_config.training
-        check_divisible_by_data_parallel("training.global_batch_size", t.global_batch_size, run.parallel_dims)
-        cache_dir = t.dataset_cache_dir or os.path.join(job_config.job.dump_folder, "dataset_cache")
-        rows = load_rows(
-            t.dataset,
-            t.dataset_path,
-            t.dataset_split,
-            t.num_synthetic_samples,
-            job_config.debug.seed,
-            cache_dir=cache_dir,
-            cache_timeout_s=t.dataset_cache_timeout_seconds,
-        )
+        rows = training_rows(job_config, run)
         super().__init__(run, num_optimizer_steps=t.steps)
-        self.dataloader = build_sft_dataloader(
+        self.dataloader = training_loader(
+            self,
             rows,
-            self.tokenizer,
-            seq_len=t.seq_len,
-            global_batch_size=t.global_batch_size,
-            long_sample_policy=t.long_sample_policy,
-            seed=job_config.debug.seed,
-            batch_rank=self.parallel_dims.batch_rank(),
-            batch_degree=self.parallel_dims.batch_degree,
-            vision=vision_data_config(job_config, self.model_args),
-            balance_dp_compute=t.balance_dp_compute,
-            max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-            cost_model=self.engine.options.cost_model,
-            prefetch=t.dataset_prefetch,
             # Checking, planning, packing and counting the micro-batches (and, on the CPU,
             # planning their attention) run on the prefetch thread too, off the step.
             prepare=functools.partial(
