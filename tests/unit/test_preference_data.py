@@ -17,7 +17,7 @@ from torchtitan_rl.data.preferences import plan_preference_row, tokenize_prefere
 from torchtitan_rl.data.sample import find_vision_problem
 from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig
-from torchtitan_rl.recipes.preference_eval import hold_out
+from torchtitan_rl.recipes.preference_eval import hold_out, prompt_and_completion
 
 BYTES = build_tokenizer("")
 
@@ -347,3 +347,22 @@ def test_held_out_pairs_are_a_seeded_draw_never_trained_on(tmp_path):
     assert held.source_of(0) == f"{path}:{line}"
     with pytest.raises(ValueError, match="preference.num_eval_pairs=30 holds out every one of the dataset's 30 rows"):
         hold_out(rows, 30, seed=3)
+
+
+@pytest.mark.parametrize(
+    "row,completion",
+    [
+        ({"prompt": [{"role": "user", "content": "2 + 2?"}], "chosen": "4", "rejected": "5"}, "4<|im_end|>"),
+        ({"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5"}, " 4<|endoftext|>"),
+    ],
+)
+def test_the_evaluation_prompts_with_the_chosen_sides_prompt_and_expects_its_reply(row, completion):
+    tokenizer = build_tokenizer("")
+    planner = RowPlanner(tokenizer, None)
+    chosen, _ = plan_preference_row(planner, row, 0, "row 0", None)
+    prompt, expected = prompt_and_completion(chosen)
+    assert prompt + expected == chosen.tokens[: len(prompt) + len(expected)]
+    assert tokenizer.decode(expected) == completion
+    assert tokenizer.decode(prompt).endswith(
+        "<|im_start|>assistant\n" if isinstance(row["prompt"], list) else "2 + 2 ="
+    )

@@ -18,7 +18,7 @@ from torchtitan_rl.data.preferences import plan_preference_row
 from torchtitan_rl.data.rows import RowSelection, row_base_dir, row_where
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.data.tokenizer import stop_token_ids
-from torchtitan_rl.data.vision_samples import RowPlanner, build_sample
+from torchtitan_rl.data.vision_samples import PlannedSample, RowPlanner, build_sample
 from torchtitan_rl.losses.preference import PreferenceLoss, pair_losses, pair_sums, preference_metrics
 from torchtitan_rl.recipes.base import Recipe, vision_data_config
 from torchtitan_rl.recipes.grpo_data import build_generator
@@ -35,6 +35,14 @@ def hold_out(rows: Sequence, num_eval_pairs: int, seed: int) -> tuple[RowSelecti
         )
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
     return RowSelection(rows, sorted(order[num_eval_pairs:])), RowSelection(rows, sorted(order[:num_eval_pairs]))
+
+
+def prompt_and_completion(planned: PlannedSample) -> tuple[list[int], list[int]]:
+    """A pair side's prompt (the tokens before its loss targets) and completion (the targets: a
+    conversational reply ends at its ``<|im_end|>``, not at the template's newline after it)."""
+    mask = planned.target_mask
+    start, end = mask.index(True), len(mask) - mask[::-1].index(True)
+    return planned.tokens[:start], planned.tokens[start:end]
 
 
 class PreferenceEvaluation:
@@ -56,15 +64,13 @@ class PreferenceEvaluation:
                 sample = build_sample(planned, vision)
                 sample.group_id, sample.preferred = index, preferred
                 self.samples.append(sample)
-        # The chosen side's tokens before its first loss target are the prompt, the rest its completion.
         self.prompt_indices = split_among_peers(list(range(len(pairs))), recipe.rank, dims.world_size)
         self.prompts, self.expected, self.images = [], [], []
         for index in self.prompt_indices:
-            chosen = pairs[index][0]
-            start = chosen.target_mask.index(True)
-            self.prompts.append(chosen.tokens[:start])
-            self.expected.append(chosen.tokens[start:])
-            self.images.append(chosen.images)
+            prompt, completion = prompt_and_completion(pairs[index][0])
+            self.prompts.append(prompt)
+            self.expected.append(completion)
+            self.images.append(pairs[index][0].images)
         self.generator = build_generator(cfg, recipe.model_args, recipe.device, vision)
         stops = stop_token_ids(recipe.tokenizer, cfg.generation.stop_tokens)
         self.params = SamplingParams(cfg.generation.max_new_tokens, temperature=0.0, stop_token_ids=stops)
