@@ -74,14 +74,20 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     its parallelize function). Not collective: each rank reads its own blocks independently. Values
     are cast to each parameter's dtype. Every parameter must be in the files with its shape,
     and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
-    LoRA adapters are not base weights: they are left as they are.
+    LoRA adapters are not base weights: they are left as they are. A reward model (score head)
+    loads a language model's checkpoint too: its body, while its score head keeps its values
+    and the LM head is not read.
     """
     files, listing = _tensor_files(path)
     params = hf_sources(model)
-    # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
     to_hf = spec_for_args(model.args).to_hf
-    tied_head = next(iter(to_hf({"output.weight": None}))) if model.args.tie_embeddings else None
-    _check_same_keys(params.keys(), files.keys(), tied_head, listing)
+    lm_head = next(iter(to_hf({"output.weight": None})))
+    # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
+    unread_head = lm_head if model.args.tie_embeddings else None
+    if model.args.score_head and not read_hf_model_args(path).score_head:
+        score_head = next(iter(to_hf({"score.weight": None})))
+        params, unread_head = {key: value for key, value in params.items() if key != score_head}, lm_head
+    _check_same_keys(params.keys(), files.keys(), unread_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)
         for key, (param, index) in params.items():
@@ -105,7 +111,8 @@ def save_hf_checkpoint(
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """Export ``model`` as an HF directory at ``path`` (which must not exist): a
-    ``Qwen3ForCausalLM``, or a ``Mistral3ForConditionalGeneration`` for the VLM.
+    ``Qwen3ForCausalLM`` (a reward model: ``Qwen3ForSequenceClassification``), or a
+    ``Mistral3ForConditionalGeneration`` for the VLM.
 
     Collective: every rank of ``group`` (default: the launch) calls it; parameters are gathered
     one shard file at a time and global rank 0 writes, so it holds at most one file's worth of
@@ -247,9 +254,9 @@ def _open_safetensors(file: str):
         yield f
 
 
-def _check_same_keys(expected, found, tied_head: str | None, listing: str) -> None:
+def _check_same_keys(expected, found, unread: str | None, listing: str) -> None:
     missing = [key for key in expected if key not in found]
-    unexpected = [key for key in found if key not in expected and key != tied_head]
+    unexpected = [key for key in found if key not in expected and key != unread]
     if missing:
         raise ValueError(f"{listing!r} has no tensor {_names(missing)} that the model needs")
     if unexpected:

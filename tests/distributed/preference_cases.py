@@ -1,7 +1,7 @@
 """Preference losses inside the shared multi-rank launch (``layout_worker.run_all_layouts``).
 
 On the layouts of ``PREFERENCE_LAYOUTS`` (one rank, dp 2, tp 2, cp 2, dp2 x tp2, dp2 x cp2)
-``recipes.dpo.preference_step`` runs DPO (label smoothing on), IPO and SimPO on the pairs
+``recipes.dpo.preference_step`` runs DPO (label smoothing and the chosen NLL term on), IPO and SimPO on the pairs
 below, and DPO on a MoE model with its router losses and on a LoRA model (reference: its base,
 adapters off). The global batch lists every pair's chosen completion, then every rejected one,
 so data parallel puts the two completions of a pair on different ranks; ``BUDGET`` packs each
@@ -30,7 +30,7 @@ REFERENCE_SEED = lc.SEED + 1  # the reference model of the dense cases: other we
 # (prompt, chosen, rejected) lengths of the pairs; the longest pair is 23 tokens.
 PAIRS = ((5, 3, 6), (2, 7, 1), (6, 9, 8), (3, 2, 2), (8, 4, 11), (1, 5, 3))
 LOSSES = {
-    "dpo": PreferenceLoss("dpo", beta=0.7, label_smoothing=0.1),
+    "dpo": PreferenceLoss("dpo", beta=0.7, label_smoothing=0.1, nll_coef=0.3),
     "ipo": PreferenceLoss("ipo", beta=0.4),
     "simpo": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.8),
 }

@@ -36,6 +36,7 @@ LAYERS = {
     # Checkpoints: HF files of a model, a PEFT adapter on top of them, DCP runs that export both.
     f"{PACKAGE}.hf_checkpoint": 5,
     f"{PACKAGE}.peft_checkpoint": 6,
+    f"{PACKAGE}.engine_scores": 6,  # a reward model's engine, built on the engine's packing and passes
     f"{PACKAGE}.checkpoint": 7,
     # The Tinker-compatible service: its HTTP layer, the dispatch of operations, the clients.
     f"{PACKAGE}.service": 8,

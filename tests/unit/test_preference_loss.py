@@ -27,6 +27,7 @@ LOSSES = {
     "cdpo": PreferenceLoss("dpo", beta=0.7, label_smoothing=0.2),
     "ipo": PreferenceLoss("ipo", beta=0.4),
     "simpo": PreferenceLoss("simpo", beta=2.0, label_smoothing=0.1, simpo_gamma=0.8),
+    "rpo": PreferenceLoss("dpo", beta=0.7, nll_coef=0.3),
 }
 
 
@@ -64,7 +65,8 @@ def log_sigmoid(x: torch.Tensor) -> torch.Tensor:
 
 
 def brute_force(name: str, loss: PreferenceLoss, sums: list[dict]) -> tuple[torch.Tensor, dict]:
-    """The mean pair loss and TRL's metrics, each formula written out."""
+    """The mean pair loss (plus the chosen tokens' NLL with ``nll_coef``) and TRL's metrics, each
+    formula written out."""
     beta, eps = loss.beta, loss.label_smoothing
     losses, chosen_rewards, rejected_rewards = [], [], []
     for s in sums:
@@ -84,6 +86,9 @@ def brute_force(name: str, loss: PreferenceLoss, sums: list[dict]) -> tuple[torc
         chosen_rewards.append(beta * chosen_ratio)
         rejected_rewards.append(beta * rejected_ratio)
     num_pairs = len(sums)
+    mean_loss = sum(losses) / num_pairs
+    if loss.nll_coef:
+        mean_loss = mean_loss - loss.nll_coef * sum(s["c"] for s in sums) / sum(s["nc"] for s in sums)
     chosen_rewards, rejected_rewards = [r.detach() for r in chosen_rewards], [r.detach() for r in rejected_rewards]
     metrics = {
         "rewards/chosen": sum(float(r) for r in chosen_rewards) / num_pairs,
@@ -94,7 +99,7 @@ def brute_force(name: str, loss: PreferenceLoss, sums: list[dict]) -> tuple[torc
         "logps/rejected": sum(float(s["r"].detach()) for s in sums) / num_pairs,
         "loss_metrics/global_max_loss": max(float(v.detach()) for v in losses),
     }
-    return sum(losses) / num_pairs, metrics
+    return mean_loss, metrics
 
 
 def one_rank_engine(model: Qwen3Model, budget: int) -> Engine:
@@ -150,17 +155,19 @@ def test_coefficients_are_the_losss_derivatives(name):
     table[4:] = torch.randint(1, 9, (2, 5), generator=generator).double()
     sums = PairSums.from_table(table)
     grad_chosen, grad_rejected, value = sequence_coefficients(loss, sums)
-    assert value == pytest.approx(float(pair_losses(loss, sums).mean()))
+
+    def objective(t: torch.Tensor) -> float:
+        nll = -float(t[0].sum() / t[4].sum())  # the chosen tokens' negative log-likelihood per token
+        return float(pair_losses(loss, PairSums.from_table(t)).mean()) + loss.nll_coef * nll
+
+    assert value == pytest.approx(objective(table))
     step = 1e-6
     for row, grad in ((0, grad_chosen), (1, grad_rejected)):
         for pair in range(5):
             plus, minus = table.clone(), table.clone()
             plus[row, pair] += step
             minus[row, pair] -= step
-            numeric = (
-                float(pair_losses(loss, PairSums.from_table(plus)).mean())
-                - float(pair_losses(loss, PairSums.from_table(minus)).mean())
-            ) / (2 * step)
+            numeric = (objective(plus) - objective(minus)) / (2 * step)
             assert float(grad[pair]) == pytest.approx(numeric, rel=1e-5, abs=1e-9), (row, pair)
 
 

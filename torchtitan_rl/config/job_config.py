@@ -30,13 +30,15 @@ class Job:
     description: str = ""
     """Free-form description of the run, for humans."""
 
-    recipe: Literal["sft", "grpo", "service", "dpo"] = "sft"
+    recipe: Literal["sft", "grpo", "service", "dpo", "reward_model"] = "sft"
     """sft: supervised fine-tuning on training.dataset. grpo: RL from verifiable rewards: the
     policy samples completions of a task's prompts ([rl], [generation]), a verifier rewards
     them, and the loss of [loss] trains on group advantages. service: a Tinker-compatible
     training service ([service]): clients of the tinker SDK train LoRA adapters of the model
     and sample from them over HTTP. dpo: preference learning on training.dataset's chosen /
-    rejected pairs with loss.loss_fn = dpo, ipo or simpo."""
+    rejected pairs with loss.loss_fn = dpo, ipo or simpo. reward_model: a Bradley–Terry reward
+    model (the model with a scalar score head read at each sequence's last token) trained on
+    training.dataset's pairs; exports as a Hugging Face Qwen3ForSequenceClassification."""
 
 
 @dataclass
@@ -340,6 +342,15 @@ class Loss:
 
     simpo_gamma: float = 0.5
     """simpo: the target reward margin gamma."""
+
+    center_rewards_coefficient: float = bounded(0.0, ge=0)
+    """reward_model: adds this times the mean of (s_chosen + s_rejected)^2 over the pairs to the
+    Bradley–Terry loss, which centers the scores on 0 (the pair loss only sees differences); >= 0."""
+
+    nll_coef: float = 0.0
+    """dpo / ipo / simpo: adds this times the chosen completions' negative log-likelihood per
+    token (over all chosen tokens of the mini-batch) to the loss, which keeps the chosen answers
+    likely (RPO; TRL's loss_type "sft" term with its loss_weights, OpenRLHF's nll_loss_coef); >= 0."""
 
     clip_low: float | None = None
     """ppo / cispo / gspo: the ratio's lower clip bound is 1 - clip_low; in [0, 1). None: the

@@ -99,9 +99,15 @@ def _check_recipe(cfg) -> None:
         raise ValueError(f"service.{non_default_keys(cfg.service)[0]}: only used with job.recipe = 'service'")
     if cfg.job.recipe != "dpo":
         unused = [f"loss.{key}" for key in _PREFERENCE_LOSS_KEYS if key in non_default_keys(cfg.loss)]
-        unused += [f"preference.{key}" for key in non_default_keys(cfg.preference)]
+        if cfg.job.recipe != "reward_model":
+            unused += [f"preference.{key}" for key in non_default_keys(cfg.preference)]
         if unused:
             raise ValueError(f"{unused[0]}: only used with job.recipe = 'dpo' (preference learning)")
+    if cfg.job.recipe != "reward_model" and "center_rewards_coefficient" in non_default_keys(cfg.loss):
+        raise ValueError("loss.center_rewards_coefficient: only used with job.recipe = 'reward_model'")
+    if cfg.job.recipe == "reward_model":
+        _check_reward_model(cfg)
+        return
     if cfg.job.recipe == "service":
         _check_service(cfg)
         return
@@ -314,7 +320,7 @@ def _check_checkpoint(cfg) -> None:
 
 
 # The keys of [loss] only the preference losses read, and those they never read.
-_PREFERENCE_LOSS_KEYS = ("beta", "label_smoothing", "simpo_gamma")
+_PREFERENCE_LOSS_KEYS = ("beta", "label_smoothing", "simpo_gamma", "nll_coef")
 # What the preference evaluation's greedy generation reads of [generation].
 _PREFERENCE_EVAL_GENERATION_KEYS = ("max_new_tokens", "stop_tokens", "dtype", "max_prompts_per_batch")
 _POLICY_LOSS_KEYS = ("horizon", "clip_low", "clip_high", "dual_clip_c", "kl_coef", "kl_estimator", "entropy_coef")
@@ -347,6 +353,35 @@ def _check_dpo(cfg) -> None:
         )
     if loss.loss_fn != "simpo" and "simpo_gamma" in non_default_keys(loss):
         raise ValueError(f"loss.simpo_gamma: only used with loss.loss_fn = 'simpo', not {loss.loss_fn!r}")
+
+
+def _check_reward_model(cfg) -> None:
+    """A reward model trains on dataset pairs with the Bradley–Terry loss of their scores: no
+    sampling, no generation, and none of [loss]'s other keys."""
+    for name in ("rl", "generation"):
+        unused = non_default_keys(getattr(cfg, name))
+        if unused:
+            raise ValueError(f"{name}.{unused[0]}: not used by job.recipe = 'reward_model'")
+    if cfg.parallelism.rollout_ranks:
+        raise ValueError("parallelism.rollout_ranks: only used with job.recipe = 'grpo'")
+    if "num_eval_pairs" in non_default_keys(cfg.preference) and not cfg.preference.eval_interval:
+        raise ValueError("preference.num_eval_pairs: only used with preference.eval_interval > 0")
+    unused = [key for key in non_default_keys(cfg.loss) if key != "center_rewards_coefficient"]
+    if unused:
+        raise ValueError(
+            f"loss.{unused[0]}: not used by job.recipe = 'reward_model', whose loss is the Bradley–Terry loss "
+            "of the pairs' scores (loss.center_rewards_coefficient is its only key)"
+        )
+    if cfg.model.name != "qwen3":
+        raise ValueError(f"model.name: job.recipe = 'reward_model' builds a qwen3 reward model, not {cfg.model.name!r}")
+    if cfg.lora.enable:
+        raise ValueError("lora.enable: job.recipe = 'reward_model' trains the whole model (no LoRA reward models)")
+    training = cfg.training
+    if 0 < training.max_tokens_per_microbatch <= training.seq_len:
+        raise ValueError(
+            f"training.max_tokens_per_microbatch: a reward model reads whole texts of up to training.seq_len + 1 = "
+            f"{training.seq_len + 1} tokens; set 0 or more, not {training.max_tokens_per_microbatch}"
+        )
 
 
 # How the service's sampler replica is built; what a sample request carries is the request's.

@@ -18,7 +18,9 @@ token count, ``σ`` the logistic function and ``ε`` the label smoothing, per pa
 | `ipo`   | ((S_c − R_c)/n_c − (S_r − R_r)/n_r − 1/(2β))²                      |
 | `simpo` | −(1 − ε) log σ(β (S_c/n_c − S_r/n_r) − γ) − ε log σ(−β (…) + γ)   |
 
-and the loss is the mean of ℓ over the mini-batch's pairs. SimPO needs no reference. The
+and the loss is the mean of ℓ over the mini-batch's pairs, plus, with ``nll_coef`` λ > 0, λ times
+the chosen completions' negative log-likelihood per token, −Σ S_c / Σ n_c over the mini-batch
+(RPO: it keeps the chosen answers likely). SimPO needs no reference. The
 implicit rewards (``rewards/*``) are ``β (S − R)`` (DPO, IPO) and ``β S / n`` (SimPO).
 """
 
@@ -40,6 +42,7 @@ class PreferenceLoss:
     beta: float
     label_smoothing: float = 0.0
     simpo_gamma: float = 0.5
+    nll_coef: float = 0.0
 
     def __post_init__(self):
         if self.name not in PREFERENCE_LOSSES:
@@ -48,6 +51,8 @@ class PreferenceLoss:
             raise ValueError(f"loss.beta must be > 0, got {self.beta}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"loss.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if not self.nll_coef >= 0:
+            raise ValueError(f"loss.nll_coef must be >= 0, got {self.nll_coef}")
         if self.label_smoothing and self.name == "ipo":
             raise ValueError("loss.label_smoothing: only the dpo and simpo losses smooth their labels, not ipo")
 
@@ -64,7 +69,13 @@ def preference_loss_from_config(loss_config) -> PreferenceLoss:
             f"loss.loss_fn: job.recipe = 'dpo' trains a preference loss; choose one of "
             f"{', '.join(PREFERENCE_LOSSES)}, not {loss_config.loss_fn!r}"
         )
-    return PreferenceLoss(loss_config.loss_fn, loss_config.beta, loss_config.label_smoothing, loss_config.simpo_gamma)
+    return PreferenceLoss(
+        loss_config.loss_fn,
+        loss_config.beta,
+        loss_config.label_smoothing,
+        loss_config.simpo_gamma,
+        loss_config.nll_coef,
+    )
 
 
 @dataclass
@@ -115,11 +126,14 @@ def implicit_rewards(loss: PreferenceLoss, sums: PairSums) -> tuple[torch.Tensor
 
 
 def sequence_coefficients(loss: PreferenceLoss, sums: PairSums) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``∂L/∂S`` of every pair's chosen and of its rejected completion, L being the mean of the
-    pairs' losses, and L itself."""
+    """``∂L/∂S`` of every pair's chosen and of its rejected completion, and L: the mean of the
+    pairs' losses, plus ``nll_coef`` times the chosen completions' negative log-likelihood per
+    token (over every chosen token of the mini-batch)."""
     chosen = sums.chosen.detach().double().requires_grad_(True)
     rejected = sums.rejected.detach().double().requires_grad_(True)
     value = pair_losses(loss, PairSums(chosen, rejected, *(t.double() for t in _rest(sums)))).mean()
+    if loss.nll_coef:
+        value = value - loss.nll_coef * chosen.sum() / sums.num_chosen.double().sum().clamp(min=1)
     grad_chosen, grad_rejected = torch.autograd.grad(value, (chosen, rejected))
     return grad_chosen, grad_rejected, float(value.detach())
 
@@ -151,21 +165,39 @@ def pair_sums(
     """Every pair's log-prob sums over its completions' loss tokens (``policy`` / ``reference``:
     each sample's per-token log-probs) and their token counts, summed over the data-parallel
     ranks of ``batch_mesh``, which hold different samples (collective)."""
-    table = torch.zeros(len(PairSums.ROWS) + 2, num_pairs, dtype=torch.float64)
+    values = torch.zeros(len(samples), 3, dtype=torch.float64)  # per sample: S, R, n
     for i, sample in enumerate(samples):
-        side, pair = (0 if sample.preferred else 1), sample.group_id
         mask = sample.loss_mask
-        table[side, pair] += policy[i][mask].double().sum()
+        values[i, 0] = policy[i][mask].double().sum()
         if reference is not None:
-            table[2 + side, pair] += reference[i][mask].double().sum()
-        table[4 + side, pair] += float(mask.sum())
-        table[6 + side, pair] += 1  # completions of this side: one per pair on all ranks together
+            values[i, 1] = reference[i][mask].double().sum()
+        values[i, 2] = float(mask.sum())
+    (chosen, chosen_ref, num_chosen), (rejected, rejected_ref, num_rejected) = exchange_pairs(
+        samples, values, num_pairs, batch_mesh
+    )
+    return PairSums(chosen, rejected, chosen_ref, rejected_ref, num_chosen, num_rejected)
+
+
+def exchange_pairs(
+    samples: list[Sample], values: torch.Tensor, num_pairs: int, batch_mesh: DeviceMesh | None
+) -> torch.Tensor:
+    """Per side (chosen, then rejected), value and pair of the mini-batch (float64 ``[2, k, P]``):
+    each of this rank's samples' ``values`` (float64 ``[len(samples), k]``) at its pair
+    (``group_id``) and side (``preferred``), brought together over the data-parallel ranks of
+    ``batch_mesh``, which hold different samples (collective). A RuntimeError unless every pair
+    has one completion of each side over all ranks."""
+    table = torch.zeros(2, values.shape[1] + 1, num_pairs, dtype=torch.float64)
+    for sample, row in zip(samples, values, strict=True):
+        side = 0 if sample.preferred else 1
+        table[side, :-1, sample.group_id] += row
+        table[side, -1, sample.group_id] += 1  # completions of this side: one per pair on all ranks together
     if batch_mesh is not None:
         dist.all_reduce(table, group=batch_mesh.get_group())
-    if not bool((table[6:] == 1).all()):
-        pair = int((table[6:] != 1).any(0).nonzero()[0])
+    counts = table[:, -1]
+    if not bool((counts == 1).all()):
+        pair = int((counts != 1).any(0).nonzero()[0])
         raise RuntimeError(
-            f"pair {pair} of the mini-batch has {int(table[6, pair])} chosen and {int(table[7, pair])} rejected "
+            f"pair {pair} of the mini-batch has {int(counts[0, pair])} chosen and {int(counts[1, pair])} rejected "
             "completions over all ranks; every pair has one of each"
         )
-    return PairSums.from_table(table[: len(PairSums.ROWS)])
+    return table[:, :-1]

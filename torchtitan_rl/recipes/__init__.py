@@ -5,6 +5,7 @@ from collections.abc import Callable
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.recipes.dpo import DPORecipe
 from torchtitan_rl.recipes.grpo import build_grpo
+from torchtitan_rl.recipes.reward_model import RewardModelRecipe
 from torchtitan_rl.recipes.service import build_service
 from torchtitan_rl.recipes.sft import SFTRecipe
 
@@ -13,6 +14,7 @@ RECIPES: dict[str, Callable[[JobConfig], object]] = {
     "grpo": build_grpo,
     "service": build_service,
     "dpo": DPORecipe,
+    "reward_model": RewardModelRecipe,
 }
 """``job.recipe`` -> what builds this rank's part of the run from the config: an object with
 ``setup()``, ``train()`` and ``close()`` (a ``Recipe``; on a rollout rank, GRPO's

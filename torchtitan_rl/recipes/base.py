@@ -29,6 +29,7 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.engine_scores import ScoreEngine
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.losses.router import RouterLossConfig
@@ -36,7 +37,7 @@ from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.attention import resolve_attn_backend
 from torchtitan_rl.models.config_checks import check_model_settings
 from torchtitan_rl.models.lora import LoRASettings, add_adapters, init_adapter_, is_adapter_key
-from torchtitan_rl.models.qwen3.args import check_flavor, with_router_aux_loss
+from torchtitan_rl.models.qwen3.args import as_reward_model, check_flavor, with_router_aux_loss
 from torchtitan_rl.models.qwen3.model import param_seed
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 from torchtitan_rl.models.vlm.args import with_image_token_id
@@ -73,14 +74,25 @@ def check_divisible_by_data_parallel(key: str, value: int, parallel_dims: Parall
         )
 
 
-def model_args_from_config(job_config: JobConfig, device: torch.device, tokenizer: Tokenizer):
+def model_args_from_config(
+    job_config: JobConfig, device: torch.device, tokenizer: Tokenizer, reward_model: bool = False
+):
     """The flavor's args with this run's attention backend (and, for a VLM, the tokenizer's
-    image token), checked against the initial HF checkpoint and the tokenizer."""
+    image token), checked against the initial HF checkpoint and the tokenizer. ``reward_model``:
+    with a score head in place of the LM head (``as_reward_model``), whether the flavor or the
+    initial checkpoint is a language model or already a reward model."""
     spec = get_model_spec(job_config.model.name)
     if job_config.model.flavor == HF_FLAVOR:
         args = hf_flavor_args(job_config, spec, resolve_attn_backend(job_config.model.attn_backend, device))
     else:
         args = spec.flavors[job_config.model.flavor]
+    if reward_model:
+        args = as_reward_model(args)
+    elif args.score_head:
+        raise ValueError(
+            f"model.flavor = 'hf': {hf_config_dir(job_config)} holds a reward model (a sequence classifier), "
+            "which only job.recipe = 'reward_model' trains"
+        )
     if args.is_moe:
         args = dataclasses.replace(args, experts_impl=job_config.moe.experts_impl)
         args = with_router_aux_loss(args, job_config.moe.aux_loss_coef)
@@ -100,7 +112,10 @@ def model_args_from_config(job_config: JobConfig, device: torch.device, tokenize
         # Before building anything: a wrong flavor would otherwise surface as a shape error.
         hf_args = read_hf_model_args(ckpt.initial_load_path, args.attn_backend)
         source = os.path.join(ckpt.initial_load_path, "config.json")
-        check_flavor(hf_args, job_config.model.flavor, source, spec.flavors)
+        flavors = spec.flavors
+        if reward_model:  # the same body, whichever head the checkpoint has
+            hf_args, flavors = as_reward_model(hf_args), {name: as_reward_model(f) for name, f in flavors.items()}
+        check_flavor(hf_args, job_config.model.flavor, source, flavors)
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.flavor={job_config.model.flavor!r} "
@@ -215,10 +230,11 @@ def build_engine(
     *,
     num_optimizer_steps: int,
     temperature: float = 1.0,
+    reward_model: bool = False,
 ):
     """The engine and the model hyper-parameters it was built with; the LR schedule spans
-    ``num_optimizer_steps``."""
-    model_args = model_args_from_config(job_config, device, tokenizer)
+    ``num_optimizer_steps``. ``reward_model``: a model with a score head, in a ``ScoreEngine``."""
+    model_args = model_args_from_config(job_config, device, tokenizer, reward_model)
     dtype = compute_dtype(job_config, device)
     if job_config.lora.enable and job_config.lora.dropout > 0:
         logger.warning(
@@ -266,7 +282,7 @@ def build_engine(
         max_patches_per_microbatch=t.max_patches_per_microbatch,
         router=router_loss_config(job_config) if model_args.is_moe else None,
     )
-    return Engine(
+    return (ScoreEngine if reward_model else Engine)(
         model,
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
@@ -358,7 +374,9 @@ class Recipe(ABC):
     builds its loader and ``self.checkpointer``. Loading a checkpoint is ``setup()``'s job.
     """
 
-    def __init__(self, run: RunContext, *, num_optimizer_steps: int, temperature: float = 1.0):
+    def __init__(
+        self, run: RunContext, *, num_optimizer_steps: int, temperature: float = 1.0, reward_model: bool = False
+    ):
         job_config = run.job_config
         self.job_config = job_config
         self.rank, self.device, self.parallel_dims, self.tokenizer = (
@@ -375,6 +393,7 @@ class Recipe(ABC):
             self.tokenizer,
             num_optimizer_steps=num_optimizer_steps,
             temperature=temperature,
+            reward_model=reward_model,
         )
         if self.rank == 0:
             write_resolved_config(job_config, os.path.join(job_config.job.dump_folder, "config.toml"))

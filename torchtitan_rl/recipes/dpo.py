@@ -73,18 +73,23 @@ def preference_step(
 class DPORecipe(Recipe):
     def __init__(self, job_config: JobConfig):
         self.loss = preference_loss_from_config(job_config.loss)
-        run = start_run(job_config)
-        t = job_config.training
-        rows = training_rows(job_config, run)
-        held_out = None
-        if job_config.preference.eval_interval:
-            rows, held_out = hold_out(rows, job_config.preference.num_eval_pairs, job_config.debug.seed)
-        super().__init__(run, num_optimizer_steps=t.steps)
-        self.dataloader = training_loader(self, rows, preference_pairs=True)
+        held_out = self.build_pair_data(job_config)
         self.evaluation = PreferenceEvaluation(self, held_out, self.loss) if held_out is not None else None
         self.reference = ReferencePolicy(self, _REFERENCE_REMEDY) if self.loss.needs_reference else None
         extra = self.reference.checkpointed() if self.reference is not None else None
         self.checkpointer = self.build_checkpointer(self.dataloader, extra)
+
+    def build_pair_data(self, job_config: JobConfig, reward_model: bool = False):
+        """Start the run, read the pairs, build what every recipe has (``Recipe``: with a score
+        head for a ``reward_model``) and the pair loader; the held-out rows (None without evaluation)."""
+        run = start_run(job_config)
+        rows = training_rows(job_config, run)
+        held_out = None
+        if job_config.preference.eval_interval:
+            rows, held_out = hold_out(rows, job_config.preference.num_eval_pairs, job_config.debug.seed)
+        Recipe.__init__(self, run, num_optimizer_steps=job_config.training.steps, reward_model=reward_model)
+        self.dataloader = training_loader(self, rows, preference_pairs=True)
+        return held_out
 
     def setup(self) -> bool:
         """Resume from the latest checkpoint (the reference's weights included); or, on a fresh
@@ -102,15 +107,14 @@ class DPORecipe(Recipe):
         window_start = time.perf_counter()
         window_tokens = window_squared_lens = 0
         first = self.train_state.step + 1
-        reference = self.reference.logprobs if self.reference is not None else None
         logger.info("preference steps %d..%d on %d rank(s)", first, steps, self.parallel_dims.world_size)
         interval = cfg.preference.eval_interval
         if self.evaluation is not None and first == 1:
-            self._evaluate(0, reference)  # the policy the run starts from: the held-out curves' baseline
+            self._evaluate(0)  # the model the run starts from: the held-out curves' baseline
         for step in range(first, steps + 1):
             samples = next(data_iter)
             with self.memory_profiler.step(step):
-                fb, values = preference_step(self.engine, samples, self.loss, num_pairs, reference)
+                fb, values = self.step(samples, num_pairs)
                 optim = self.engine.optim_step()
             window_tokens = window_tokens + fb.counts[NUM_TOKENS]
             window_squared_lens = window_squared_lens + fb.counts[SUM_SQUARED_SEQ_LENS]
@@ -130,12 +134,20 @@ class DPORecipe(Recipe):
                 window_start = time.perf_counter()
                 window_tokens = window_squared_lens = 0
             if self.evaluation is not None and (step % interval == 0 or step == steps):
-                self._evaluate(step, reference)
+                self._evaluate(step)
             self.checkpointer.maybe_save(step, last=step == steps)
         self.checkpointer.wait()
 
-    def _evaluate(self, step: int, reference) -> None:
-        values = self.evaluation.evaluate(step, reference)
+    def step(self, samples: list[Sample], num_pairs: int) -> tuple[ForwardBackwardMetrics, dict[str, float]]:
+        """Accumulate the gradient of one mini-batch of ``num_pairs`` pairs (this rank's
+        ``samples``); the engine's metrics and the step's values (a pair recipe's own)."""
+        return preference_step(self.engine, samples, self.loss, num_pairs, self._reference_logprobs())
+
+    def _reference_logprobs(self):
+        return self.reference.logprobs if self.reference is not None else None
+
+    def _evaluate(self, step: int) -> None:
+        values = self.evaluation.evaluate(step, self._reference_logprobs())
         if self.rank == 0:
             logger.info(
                 "step: %d  eval/loss: %.4f  eval/rewards/accuracies: %.4f  eval/greedy_is_chosen: %.4f",

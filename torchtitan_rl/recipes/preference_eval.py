@@ -45,6 +45,23 @@ def prompt_and_completion(planned: PlannedSample) -> tuple[list[int], list[int]]
     return planned.tokens[:start], planned.tokens[start:end]
 
 
+def held_out_pairs(recipe: Recipe, rows: Sequence) -> tuple[list, list[Sample]]:
+    """Every held-out row planned as a pair, and this data-parallel rank's share of the pairs as
+    samples (pairs split whole; each sample's ``group_id`` is its row's index)."""
+    dims, vision = recipe.parallel_dims, vision_data_config(recipe.job_config, recipe.model_args)
+    planner = RowPlanner(recipe.tokenizer, vision)
+    pairs = [
+        plan_preference_row(planner, rows[i], i, row_where(rows, i), row_base_dir(rows, i)) for i in range(len(rows))
+    ]
+    samples = []
+    for index in split_among_peers(list(range(len(pairs))), dims.batch_rank(), dims.batch_degree):
+        for preferred, planned in zip((True, False), pairs[index]):
+            sample = build_sample(planned, vision)
+            sample.group_id, sample.preferred = index, preferred
+            samples.append(sample)
+    return pairs, samples
+
+
 class PreferenceEvaluation:
     """The held-out ``rows`` of ``recipe``, planned once; ``evaluate`` at a step."""
 
@@ -52,18 +69,8 @@ class PreferenceEvaluation:
         cfg, dims = recipe.job_config, recipe.parallel_dims
         self.recipe, self.loss = recipe, loss
         vision = vision_data_config(cfg, recipe.model_args)
-        planner = RowPlanner(recipe.tokenizer, vision)
-        pairs = [
-            plan_preference_row(planner, rows[i], i, row_where(rows, i), row_base_dir(rows, i))
-            for i in range(len(rows))
-        ]
+        pairs, self.samples = held_out_pairs(recipe, rows)
         self.num_pairs = len(pairs)
-        self.samples: list[Sample] = []
-        for index in split_among_peers(list(range(len(pairs))), dims.batch_rank(), dims.batch_degree):
-            for preferred, planned in zip((True, False), pairs[index]):
-                sample = build_sample(planned, vision)
-                sample.group_id, sample.preferred = index, preferred
-                self.samples.append(sample)
         self.prompt_indices = split_among_peers(list(range(len(pairs))), recipe.rank, dims.world_size)
         self.prompts, self.expected, self.images = [], [], []
         for index in self.prompt_indices:

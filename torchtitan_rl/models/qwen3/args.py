@@ -99,6 +99,9 @@ class Qwen3ModelArgs:
     # force (see ``with_router_aux_loss``); training reads moe.aux_loss_coef, not these.
     router_aux_loss_coef: float = HF_ROUTER_AUX_LOSS_COEF
     output_router_logits: bool = HF_OUTPUT_ROUTER_LOGITS
+    # A reward model: the head is one score per token (HF's ``*ForSequenceClassification`` with
+    # one label, read at each sequence's last token) instead of the LM head (``as_reward_model``).
+    score_head: bool = False
     # Where the args were read from (a config.json path), so that errors name the file and its
     # keys; empty for a named flavor. Two args read from different files can be the same model.
     source: str = field(default="", compare=False, repr=False)
@@ -129,6 +132,8 @@ class Qwen3ModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise name.error(f"{name('head_dim')}={self.head_dim} must be even for rotary embeddings")
+        if self.score_head and self.tie_embeddings:
+            raise name.error(f"a score head has no LM head to tie to the embedding: set {name('tie_embeddings')}=false")
         if self.attn_backend not in ATTN_BACKEND_CHOICES:
             raise ValueError(f"unknown attn_backend {self.attn_backend!r}; valid: {', '.join(ATTN_BACKEND_CHOICES)}")
         self._check_moe_fields(name)
@@ -258,6 +263,7 @@ class Qwen3ModelArgs:
             return hf_config_field(config, key, kind, source, default)
 
         moe = _moe_from_hf(config, source) if config.get("model_type") == "qwen3_moe" else {}
+        score_head = _hf_score_head(config, source)
         return cls(
             vocab_size=get("vocab_size", int),
             dim=get("hidden_size", int),
@@ -268,22 +274,27 @@ class Qwen3ModelArgs:
             hidden_dim=get("intermediate_size", int),
             norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=_hf_rope_theta(config, source),
-            tie_embeddings=get("tie_word_embeddings", bool, False),
+            # A sequence classifier reads no LM head: nothing is tied whatever the file says.
+            tie_embeddings=get("tie_word_embeddings", bool, False) and not score_head,
             max_seq_len=get("max_position_embeddings", int, 32768),
             attn_backend=attn_backend,
+            score_head=score_head,
             source=source,
             **moe,
         )
 
     def to_hf_config(self, torch_dtype: str) -> dict[str, Any]:
         """``config.json`` of the equivalent HF ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for
-        an MoE model), weights stored as ``torch_dtype``.
+        an MoE model; ``*ForSequenceClassification`` with one label for a score head), weights
+        stored as ``torch_dtype``. A sequence classifier also needs ``pad_token_id`` (to find
+        each row's last token), which the export adds with the tokenizer's ids.
 
         Laid out like the published Qwen3 checkpoints (top-level ``rope_theta``), which
         transformers 4.51+ and 5 (which moved it into ``rope_parameters``) both read.
         """
+        family = "Qwen3Moe" if self.is_moe else "Qwen3"
         config = {
-            "architectures": ["Qwen3MoeForCausalLM" if self.is_moe else "Qwen3ForCausalLM"],
+            "architectures": [family + ("ForSequenceClassification" if self.score_head else "ForCausalLM")],
             "model_type": "qwen3_moe" if self.is_moe else "qwen3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -317,7 +328,29 @@ class Qwen3ModelArgs:
                 output_router_logits=self.output_router_logits,
                 router_aux_loss_coef=self.router_aux_loss_coef,
             )
+        if self.score_head:
+            config.update(id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         return config
+
+
+def as_reward_model(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
+    """``args`` with a score head in place of the LM head (untied: the embedding stays)."""
+    return dataclasses.replace(args, score_head=True, tie_embeddings=False)
+
+
+def _hf_score_head(config: dict[str, Any], source: str) -> bool:
+    """Whether an HF config is a one-label sequence classifier (a reward model) rather than a
+    causal LM. transformers counts labels by ``id2label`` (two when absent)."""
+    architectures = config.get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return False
+    num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    if num_labels != 1:
+        raise ValueError(
+            f"{source}: a sequence classifier with {num_labels} labels; only one-label ones (reward models, "
+            "num_labels = 1) are supported"
+        )
+    return True
 
 
 def with_router_aux_loss(args: Qwen3ModelArgs, aux_loss_coef: float) -> Qwen3ModelArgs:

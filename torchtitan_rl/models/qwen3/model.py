@@ -198,7 +198,11 @@ class Qwen3Model(nn.Module):
             }
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.score_head:
+            # A reward model: one score per token, read at each sequence's last (``engine_scores``).
+            self.score = nn.Linear(args.dim, 1, bias=False)
+        else:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # The tokens this rank's residual stream holds: all of them unless sequence-parallel
@@ -230,7 +234,8 @@ class Qwen3Model(nn.Module):
         ``attention``).
 
         Logits are left to the caller (``self.output``), which applies them in token chunks
-        so that ``[T, vocab]`` is never materialized at once.
+        so that ``[T, vocab]`` is never materialized at once; so are a reward model's scores
+        (``self.score``).
         """
         check_packed_inputs(tokens, positions, seq_ids)
         return self.run_layers(
@@ -343,7 +348,7 @@ class Qwen3Model(nn.Module):
         if module_name.endswith("norm"):
             tensor.fill_(1.0)
             return
-        if module_name in ("tok_embeddings", "output", "wq", "wk", "wv", "w1", "w3"):
+        if module_name in ("tok_embeddings", "output", "score", "wq", "wk", "wv", "w1", "w3"):
             std = INIT_STD
         elif module_name == "router":
             # As HF and torchtitan. Small logits make routing near-uniform at first, where

@@ -143,16 +143,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     and reduce-scatter back to token shards. Norm weights (QK-norm included) stay
     replicated DTensors, so their gradients from different token (or head) shards are summed.
     The output head is only sharded over the vocabulary here: the loss reads its local
-    shard directly (``losses.logprobs``) and never materializes full logits.
+    shard directly (``losses.logprobs``) and never materializes full logits. A reward model's
+    score head (one row) stays replicated and scores this rank's token shard, like a norm: its
+    gradients from the token shards are summed.
     """
     token_shards = Shard(0)
+    head = (
+        {"score": SequenceParallel(sequence_dim=0, use_local_output=True)}
+        if model.args.score_head
+        else {"output": colwise(model.output)}
+    )
     parallelize_module(
         model,
         tp_mesh,
         {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=token_shards),
             "norm": SequenceParallel(sequence_dim=0, use_local_output=True),
-            "output": colwise(model.output),
+            **head,
         },
     )
     if model.args.tie_embeddings:

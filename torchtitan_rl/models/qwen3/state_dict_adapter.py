@@ -1,5 +1,5 @@
 """Key mapping between this Qwen3 implementation and Hugging Face ``Qwen3ForCausalLM`` /
-``Qwen3MoeForCausalLM``.
+``Qwen3MoeForCausalLM`` (a reward model: ``*ForSequenceClassification``, whose head is ``score``).
 
 Pure tensor-dict mapping; ``torchtitan_rl/hf_checkpoint.py`` reads and writes the files.
 
@@ -27,6 +27,7 @@ _TOP_LEVEL_TO_HF = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "score.weight": "score.weight",  # a reward model's head (HF *ForSequenceClassification)
 }
 _LAYER_TO_HF = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -154,7 +155,7 @@ def from_hf(hf_state_dict: dict[str, torch.Tensor], args: Qwen3ModelArgs) -> dic
     if args.tie_embeddings:
         if "tok_embeddings.weight" in state_dict:
             state_dict["output.weight"] = state_dict["tok_embeddings.weight"]
-    elif "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:
+    elif not args.score_head and "output.weight" not in state_dict and "tok_embeddings.weight" in state_dict:
         raise ValueError(
             f"HF state dict has no lm_head.weight but {args.field_names.value('tie_embeddings', False)}; "
             "is this a tied checkpoint?"
