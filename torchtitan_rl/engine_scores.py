@@ -58,7 +58,7 @@ class ScoreEngine(Engine):
         packed = torch.cat([torch.zeros(0, device=self.device), *partial])
         packed = all_reduce(packed, "sum", self.parallel_dims.mesh("cp_tp")).double().cpu()
         scores = torch.empty(len(samples), dtype=torch.float64)
-        scores[:] = packed
+        scores[batch.sample_order] = packed
         return scores
 
     def score_backward(self, samples: list[Sample], coefficients: torch.Tensor) -> ForwardBackwardMetrics:

@@ -3,7 +3,7 @@
 On the layouts of ``PREFERENCE_LAYOUTS`` (one rank, dp 2, tp 2, cp 2, dp2 x tp2, dp2 x cp2)
 ``recipes.dpo.preference_step`` runs DPO (label smoothing and the chosen NLL term on), IPO and SimPO on the pairs
 below, and DPO on a MoE model with its router losses and on a LoRA model (reference: its base,
-adapters off). The global batch lists every pair's chosen completion, then every rejected one,
+adapters off), and the Bradley–Terry loss of a reward model (centering on). The global batch lists every pair's chosen completion, then every rejected one,
 so data parallel puts the two completions of a pair on different ranks; ``BUDGET`` packs each
 rank's share into several micro-batches. Rank 0 records each case's gradients and values for
 test_preference_layout.py. Kept free of any reference computation.
@@ -17,12 +17,16 @@ import moe_cases
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.engine_scores import ScoreEngine
 from torchtitan_rl.losses.preference import PreferenceLoss
 from torchtitan_rl.losses.reduction import NUM_MICROBATCHES
+from torchtitan_rl.losses.reward_model import RewardModelLoss
 from torchtitan_rl.losses.router import RouterLossConfig
+from torchtitan_rl.models.qwen3.args import as_reward_model
 from torchtitan_rl.recipes.base import build_model
 from torchtitan_rl.recipes.dpo import preference_step
 from torchtitan_rl.recipes.reference import base_logprobs
+from torchtitan_rl.recipes.reward_model import reward_model_step
 
 PREFERENCE_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2), (1, 2, 2, 1))
 BUDGET = 24
@@ -34,6 +38,7 @@ LOSSES = {
     "ipo": PreferenceLoss("ipo", beta=0.4),
     "simpo": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.8),
 }
+REWARD_MODEL_LOSS = RewardModelLoss(center_coef=0.3)
 MOE_ROUTER = RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="global", aux_loss_layers="pooled", z_loss_coef=0.01)
 
 
@@ -64,7 +69,7 @@ def case_key(layout: tuple, name: str) -> str:
     return "preference/rep{}_shard{}_cp{}_tp{}".format(*layout) + f"/{name}"
 
 
-def engine_for(model, dims: ParallelDims, router: RouterLossConfig | None = None) -> Engine:
+def engine_for(model, dims: ParallelDims, router: RouterLossConfig | None = None, engine_class=Engine) -> Engine:
     options = EngineOptions(
         reduction="sum",
         horizon=lc.HORIZON,
@@ -73,13 +78,16 @@ def engine_for(model, dims: ParallelDims, router: RouterLossConfig | None = None
         max_norm=0.0,
         router=router,
     )
-    return Engine(
+    return engine_class(
         model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=torch.device("cpu"), options=options
     )
 
 
-def run_case(engine: Engine, dims: ParallelDims, loss: PreferenceLoss, reference) -> dict:
-    fb, values = preference_step(engine, rank_samples(dims), loss, len(PAIRS), reference)
+def run_case(engine: Engine, dims: ParallelDims, loss, reference=None) -> dict:
+    if isinstance(loss, RewardModelLoss):
+        fb, values = reward_model_step(engine, rank_samples(dims), loss, len(PAIRS))
+    else:
+        fb, values = preference_step(engine, rank_samples(dims), loss, len(PAIRS), reference)
     grads = {fqn: lc.full(p.grad) for fqn, p in engine.model.named_parameters() if p.requires_grad}
     engine.model.zero_grad(set_to_none=True)
     return {"grads": grads, "values": values, "num_microbatches": int(fb.counts[NUM_MICROBATCHES])}
@@ -123,4 +131,11 @@ def run_preference_checks(dims: ParallelDims, results: dict) -> None:
     lora_engine = engine_for(lora, dims)
     results[case_key(layout, "dpo_lora")] = run_case(
         lora_engine, dims, LOSSES["dpo"], lambda s: base_logprobs(lora_engine, s)
+    )
+
+    reward_model = build_model(
+        as_reward_model(lc.model_args()), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32
+    )
+    results[case_key(layout, "reward_model")] = run_case(
+        engine_for(reward_model, dims, engine_class=ScoreEngine), dims, REWARD_MODEL_LOSS
     )

@@ -4,7 +4,9 @@ completions on different data-parallel ranks, DPO (label smoothing on), IPO and 
 one-process reference's loss, ``rewards/*`` / ``logps/*`` metrics and gradients: every sequence
 alone through the plain model in float64 and the formulas written out per pair
 (test_preference_loss.brute_force). DPO on a MoE model with its router losses and on a LoRA
-model (reference: the base) give one rank's numbers on every layout.
+model (reference: the base), and a reward model's Bradley–Terry loss with centering, give one
+rank's numbers on every layout (the reward model's one-rank numbers are checked against float64
+in tests/unit/test_reward_model.py).
 """
 
 import functools
@@ -20,7 +22,7 @@ from unit.test_preference_loss import brute_force
 
 RTOL = 1e-5
 ONE_RANK = (1, 1, 1, 1)
-CASES = (*pc.LOSSES, "dpo_moe", "dpo_lora")
+CASES = (*pc.LOSSES, "dpo_moe", "dpo_lora", "reward_model")
 
 
 def runs(layout_results) -> dict:

@@ -39,7 +39,9 @@ def test_registry_matches_the_config_choices():
     assert set(RECIPES) == set(choices)
     assert get_recipe("grpo") is build_grpo and get_recipe("sft") is SFTRecipe
     assert get_recipe("service") is build_service and get_recipe("dpo") is DPORecipe
-    with pytest.raises(ValueError, match=r"job.recipe: unknown recipe 'ppo'.*\['dpo', 'grpo', 'service', 'sft'\]"):
+    with pytest.raises(
+        ValueError, match=r"job.recipe: unknown recipe 'ppo'.*\['dpo', 'grpo', 'reward_model', 'service', 'sft'\]"
+    ):
         get_recipe("ppo")
 
 

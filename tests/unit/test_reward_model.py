@@ -130,7 +130,13 @@ def score_engine(max_tokens: int) -> ScoreEngine:
     model = build_model(ARGS, parallel_dims=dims, device=torch.device("cpu"), seed=0, param_dtype=torch.float32)
     optimizer = build_optimizer(model, 1e-3, 0.9, 0.95, 1e-8, 0.0)
     options = EngineOptions(
-        reduction="sum", horizon=16, max_tokens_per_microbatch=max_tokens, logits_chunk_size=4, max_norm=0.0
+        reduction="sum",
+        horizon=16,
+        max_tokens_per_microbatch=max_tokens,
+        logits_chunk_size=4,
+        max_norm=0.0,
+        # Several micro-batches packed costliest first: the samples' order is not the packing's.
+        balance_microbatches=max_tokens > 0,
     )
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.1)
     return ScoreEngine(
