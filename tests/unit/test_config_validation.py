@@ -434,3 +434,26 @@ def test_preference_recipes_parse():
     assert (cfg.job.recipe, cfg.loss.loss_fn, cfg.loss.reduction) == ("dpo", "dpo", "sum")
     cfg = parse(*DPO, "--loss.loss_fn", "simpo", "--loss.simpo_gamma", "1.0", "--preference.eval_interval", "5")
     assert (cfg.loss.simpo_gamma, cfg.preference.eval_interval) == (1.0, 5)
+
+
+REWARD_MODEL = ("--job.recipe", "reward_model")
+
+
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--loss.center_rewards_coefficient", "0.1"], ["loss.center_rewards_coefficient: only used with"]),
+        ([*REWARD_MODEL, "--rl.group_size", "4"], ["rl.group_size: not used by job.recipe = 'reward_model'"]),
+        ([*REWARD_MODEL, "--loss.beta", "0.2"], ["loss.beta: only used with job.recipe = 'dpo'"]),
+        ([*REWARD_MODEL, "--lora.enable", "true"], ["lora.enable", "no LoRA reward models"]),
+        ([*REWARD_MODEL, "--loss.center_rewards_coefficient", "-1"], ["loss.center_rewards_coefficient", ">= 0"]),
+        ([*REWARD_MODEL, "--model.name", "vlm"], ["model.name", "qwen3 reward model"]),
+    ],
+)
+def test_reward_model_key_rules(argv, fragments):
+    assert_error(argv, *fragments)
+
+
+def test_reward_model_recipe_parses():
+    cfg = parse("--job.config_file", "train_configs/debug_rm.toml")
+    assert cfg.job.recipe == "reward_model" and cfg.loss.center_rewards_coefficient > 0
