@@ -5,8 +5,9 @@ On the layouts of ``PREFERENCE_LAYOUTS`` (one rank, dp 2, tp 2, cp 2, dp2 x tp2,
 below, and DPO on a MoE model with its router losses and on a LoRA model (reference: its base,
 adapters off), and the Bradley–Terry loss of a reward model (centering on). The global batch lists every pair's chosen completion, then every rejected one,
 so data parallel puts the two completions of a pair on different ranks; ``BUDGET`` packs each
-rank's share into several micro-batches. Rank 0 records each case's gradients and values for
-test_preference_layout.py. Kept free of any reference computation.
+rank's share into several micro-batches. Some pairs carry a margin (``MARGINS``), which the
+reward model's loss reads and the others ignore. Rank 0 records each case's gradients and values
+for test_preference_layout.py. Kept free of any reference computation.
 """
 
 import torch
@@ -33,6 +34,8 @@ BUDGET = 24
 REFERENCE_SEED = lc.SEED + 1  # the reference model of the dense cases: other weights than the policy's
 # (prompt, chosen, rejected) lengths of the pairs; the longest pair is 23 tokens.
 PAIRS = ((5, 3, 6), (2, 7, 1), (6, 9, 8), (3, 2, 2), (8, 4, 11), (1, 5, 3))
+# Each pair's margin: 0 (none) on some, of either sign on others.
+MARGINS = (0.0, 1.5, 0.0, -0.75, 2.0, 0.5)
 LOSSES = {
     "dpo": PreferenceLoss("dpo", beta=0.7, label_smoothing=0.1, nll_coef=0.3),
     "ipo": PreferenceLoss("ipo", beta=0.4),
@@ -54,7 +57,7 @@ def global_samples() -> list[Sample]:
         for index, (prompt, chosen, rejected) in enumerate(pair_tokens()):
             completion = chosen if preferred else rejected
             sample = Sample.from_tokens(prompt + completion, [False] * len(prompt) + [True] * len(completion))
-            sample.group_id, sample.preferred = index, preferred
+            sample.group_id, sample.preferred, sample.margin = index, preferred, MARGINS[index]
             samples.append(sample)
     return samples
 

@@ -13,6 +13,10 @@ it has enough groups with signal, the way the GRPO trainer does: peers split eac
 generation, ranks share which of the round's groups have signal (``SignalExchange``), keep
 the first ones (``select_groups_with_signal``) and send each kept group to the rank that trains
 it; each rank records the problems kept and the groups it trains.
+
+On the same layouts the trainer's ``StepSampler`` samples one step with a reward model in the
+loop (``rl.reward_model``): its normalized scores added to a verifier's reward; each rank
+records its groups' rewards.
 """
 
 import torch
@@ -20,10 +24,15 @@ import torch.distributed as dist
 
 import layout_cases as lc
 from generator_cases import prompts
+from torchtitan_rl.config import JobConfig
+from torchtitan_rl.data.tokenizer import ByteTokenizer
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.models.qwen3.args import as_reward_model
+from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.recipes.base import build_model
 from torchtitan_rl.rl.dynamic_sampling import SignalExchange, round_offset, select_groups_with_signal
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
+from torchtitan_rl.rl.reward_model_scores import RewardModelScorer
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     balance_over_data_parallel,
@@ -35,7 +44,8 @@ from torchtitan_rl.rl.rollouts import (
     score_groups,
     to_samples,
 )
-from torchtitan_rl.rl.tasks import Reward
+from torchtitan_rl.rl.step_sampler import StepSampler
+from torchtitan_rl.rl.tasks import Problem, Reward
 
 # (dp_replicate, dp_shard, cp, tp): TP peers, CP peers, and CP peers alone.
 EXCHANGE_LAYOUTS = ((1, 2, 1, 2), (1, 2, 2, 1), (1, 1, 2, 1))
@@ -100,6 +110,7 @@ def run_rollout_exchange_checks(dims: ParallelDims, results: dict) -> None:
         run_exchange(dims, results)
     if layout in DYNAMIC_SAMPLING_LAYOUTS:
         run_dynamic_sampling(dims, results)
+        run_reward_model_sampling(dims, results)
 
 
 def generator_for(dims: ParallelDims) -> TorchGenerator:
@@ -187,3 +198,69 @@ def run_dynamic_sampling(dims: ParallelDims, results: dict) -> None:
         ],
     }
     results[dynamic_sampling_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(record)
+
+
+# A reward model in the loop (rl.reward_model): the GRPO trainer's StepSampler on the dynamic
+# sampling layouts, one step without dynamic sampling, the reward model's normalized scores
+# added to a verifier's reward. Peers split the scoring, the normalization spans every rank.
+REWARD_MODEL_WEIGHT = 0.5
+REWARD_MODEL_MAX_TOKENS = 24  # several packed batches per rank
+REWARD_MODEL_SEED = 13
+
+
+def reward_model() -> Qwen3Model:
+    """A frozen random reward model of the layout model's body, the same on every rank."""
+    model = Qwen3Model(as_reward_model(lc.model_args(False)))
+    model.init_weights(REWARD_MODEL_SEED)
+    with torch.no_grad():  # a head spread enough that the scores differ visibly
+        model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(REWARD_MODEL_SEED))
+    return model.eval().requires_grad_(False)
+
+
+class ParityTask:
+    """A verifier that pays the completion's length parity, with a component."""
+
+    name = "parity"
+    train_problems = tuple(Problem(({"role": "user", "content": "?"},), "", f"pool #{i}") for i in range(POOL_SIZE))
+    eval_problems = spare_problems = ()
+
+    def reward(self, problem: Problem, completion: str, stopped: bool) -> Reward:
+        parity = float(len(completion) % 2)
+        return Reward(parity, parity == 1.0, {"parity": parity})
+
+
+def reward_model_key(dp_replicate: int, dp_shard: int, cp: int, tp: int) -> str:
+    return f"reward_model/rep{dp_replicate}_shard{dp_shard}_cp{cp}_tp{tp}"
+
+
+def run_reward_model_sampling(dims: ParallelDims, results: dict) -> None:
+    cfg = JobConfig()
+    cfg.rl.group_size, cfg.rl.prompts_per_step = NUM_SAMPLES, PROMPTS_PER_STEP
+    cfg.rl.reward_model, cfg.rl.reward_model_weight, cfg.rl.reward_model_normalize = "rm", REWARD_MODEL_WEIGHT, True
+    cfg.generation.seed = SEED
+    stream = PromptStream(POOL_SIZE, PROMPTS_PER_STEP, STREAM_SEED)
+    scorer = RewardModelScorer(reward_model(), REWARD_MODEL_MAX_TOKENS)
+    sampler = StepSampler(
+        cfg, ParityTask(), dynamic_pool(), ByteTokenizer(), generator_for(dims), PARAMS, stream, reward_model=scorer
+    )
+    slots = [
+        s
+        for mb in rank_prompt_slots(PROMPTS_PER_STEP, NUM_MINIBATCHES, dims.batch_rank(), dims.batch_degree)
+        for s in mb
+    ]
+    times: dict[str, float] = {}
+    group = dist.group.WORLD if dist.is_initialized() else None
+    sampled = sampler.sample(STEP, slots, dims.mesh("batch"), dims.mesh("cp_tp"), group, times)
+    record = {
+        "batch_rank": dims.batch_rank(),
+        "groups": [
+            (
+                g.slot,
+                [(r.completion_tokens, w.total, w.correct, dict(w.components)) for r, w in zip(g.rollouts, g.rewards)],
+            )
+            for g in sampled.kept
+        ],
+        "metrics": sampled.values,
+        "timed": sorted(times),
+    }
+    results[reward_model_key(dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)] = gather_to_all(record)

@@ -4,9 +4,9 @@ completions on different data-parallel ranks, DPO (label smoothing on), IPO and 
 one-process reference's loss, ``rewards/*`` / ``logps/*`` metrics and gradients: every sequence
 alone through the plain model in float64 and the formulas written out per pair
 (test_preference_loss.brute_force). DPO on a MoE model with its router losses and on a LoRA
-model (reference: the base), and a reward model's Bradley–Terry loss with centering, give one
-rank's numbers on every layout (the reward model's one-rank numbers are checked against float64
-in tests/unit/test_reward_model.py).
+model (reference: the base), and a reward model's Bradley–Terry loss with centering and some
+pairs' margins, give one rank's numbers on every layout; the reward model's one-rank numbers
+equal every pair's whole texts scored alone in float64 and the loss written out per pair.
 """
 
 import functools
@@ -17,6 +17,7 @@ import torch
 import layout_cases as lc
 import preference_cases as pc
 from test_layout_invariance import assert_rel_close, reference_model
+from torchtitan_rl.models.qwen3.args import as_reward_model
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 from unit.test_preference_loss import brute_force
 
@@ -88,6 +89,34 @@ def test_one_rank_equals_the_float64_reference(layout_results, name):
     assert set(got["grads"]) == set(grads)
     for fqn, grad in grads.items():
         assert_rel_close(got["grads"][fqn], grad, f"{name} {fqn}", rtol=1e-4)
+
+
+def test_one_rank_reward_model_equals_the_float64_reference_with_margins(layout_results):
+    model = Qwen3Model(as_reward_model(lc.model_args()))
+    model.init_weights(lc.SEED)
+    model = model.double()
+
+    def score(tokens: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        return model.score(model(torch.tensor(tokens), torch.arange(n), torch.zeros(n, dtype=torch.long)))[-1, 0]
+
+    pairs, chosen, rejected = [], [], []
+    for (prompt, good, bad), margin in zip(pc.pair_tokens(), pc.MARGINS, strict=True):
+        chosen.append(score(prompt + good))
+        rejected.append(score(prompt + bad))
+        gap = chosen[-1] - rejected[-1] - margin
+        center = pc.REWARD_MODEL_LOSS.center_coef * (chosen[-1] + rejected[-1]) ** 2
+        pairs.append(-torch.nn.functional.logsigmoid(gap) + center)
+    loss = torch.stack(pairs).mean()
+    loss.backward()
+    chosen, rejected = torch.stack(chosen).detach(), torch.stack(rejected).detach()
+    got = runs(layout_results)[ONE_RANK]["reward_model"]
+    assert got["values"]["loss_metrics/global_avg_loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert got["values"]["rm/accuracy"] == float((chosen > rejected).double().mean())
+    assert got["values"]["rm/margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5, abs=1e-6)
+    assert set(got["grads"]) == {fqn for fqn, _ in model.named_parameters()}
+    for fqn, param in model.named_parameters():
+        assert_rel_close(got["grads"][fqn], param.grad.float(), f"reward_model {fqn}", rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -4,7 +4,8 @@ On the layouts of ``VLM_LAYOUTS`` a tiny VLM (Pixtral tower + merger + projector
 of ``layout_cases``) runs ``forward_backward`` on a global batch with uneven image counts and
 sizes, for two reduction modes, two micro-batch budgets (tokens and vision patches) and DP
 compute balancing off and on, then one clipped AdamW step. Rank 0 records gradients, logged
-numbers and parameters for test_vlm_layout.py. Kept free of any reference computation.
+numbers and parameters for test_vlm_layout.py. Then DPO on the same samples as four pairs
+(``run_vlm_dpo``, for test_vlm_dpo_layout.py). Kept free of any reference computation.
 """
 
 import dataclasses
@@ -19,11 +20,14 @@ from torchtitan_rl.data.sample import Sample, SampleImage
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.losses.preference import PreferenceLoss
+from torchtitan_rl.losses.reduction import NUM_MICROBATCHES
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.models.vision.args import VisionArgs
 from torchtitan_rl.models.vlm.args import VLMModelArgs
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.recipes.dpo import preference_step
 
 # (dp_replicate, dp_shard, cp, tp): dp 1 / 2 / 4, tp 2, cp 2, dp2 x cp2.
 VLM_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 4, 1, 1), (1, 2, 2, 1))
@@ -136,6 +140,7 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
         return
     device = torch.device("cpu")
     args = model_args()
+    run_vlm_dpo(dims, results)
     model = build_model(args, parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
@@ -185,3 +190,47 @@ def run_vlm_checks(dims: ParallelDims, results: dict) -> None:
             gathered = [entry["num_images"]]
         entry["images_per_rank"] = gathered
         results[case_key(layout, mode, budget, balance, step)] = entry
+
+
+# DPO with images: the global batch's first four samples are the chosen completions of pairs
+# 0-3, the last four their rejected ones, so data parallel puts a pair's two sides on different
+# ranks (and with dp = 2 rank 1 holds no image); the budget splits them into micro-batches.
+# Samples 2 and 3 have no loss token: their log-prob sums are 0.
+VLM_DPO_LOSS = PreferenceLoss("dpo", beta=0.7, label_smoothing=0.1, nll_coef=0.3)
+VLM_DPO_REFERENCE_SEED = lc.SEED + 1
+
+
+def vlm_dpo_key(layout: tuple) -> str:
+    return "vlm_dpo/rep{}_shard{}_cp{}_tp{}".format(*layout)
+
+
+def run_vlm_dpo(dims: ParallelDims, results: dict) -> None:
+    device = torch.device("cpu")
+    options = EngineOptions(
+        reduction="sum",
+        horizon=lc.HORIZON,
+        max_tokens_per_microbatch=BUDGETS[1][0],
+        logits_chunk_size=16,
+        max_norm=0.0,
+        vision=VisionPacking(PATCH_DIM, MERGE),
+        max_patches_per_microbatch=BUDGETS[1][1],
+    )
+
+    def engine(seed: int) -> Engine:
+        model = build_model(model_args(), parallel_dims=dims, device=device, seed=seed, param_dtype=torch.float32)
+        return Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
+
+    policy, reference = engine(lc.SEED), engine(VLM_DPO_REFERENCE_SEED)
+    reference.model.requires_grad_(False)
+    samples = global_batch()
+    num_pairs = len(samples) // 2
+    for i, sample in enumerate(samples):
+        sample.group_id, sample.preferred = i % num_pairs, i < num_pairs
+    share = len(samples) // dims.batch_degree
+    mine = samples[dims.batch_rank() * share : (dims.batch_rank() + 1) * share]
+    fb, values = preference_step(policy, mine, VLM_DPO_LOSS, num_pairs, lambda s: reference.forward(s).logprobs)
+    results[vlm_dpo_key((dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp))] = {
+        "grads": {fqn: lc.full(p.grad) for fqn, p in policy.model.named_parameters()},
+        "values": values,
+        "num_microbatches": int(fb.counts[NUM_MICROBATCHES]),
+    }

@@ -16,6 +16,9 @@
   dp=1 x tp=2 trainers log the same numbers, every trained batch lags at most 2 steps and some
   lag exactly 2; resuming that run from its mid-run checkpoint (rollouts in flight saved)
   reproduces it; a rollout rank killed or stopped ends the launch with an error naming it.
+- A reward model in the loop: its weighted scores are added to the rewards alike when the
+  trainer scores (1 rank) and when the rollout rank does (dp=2 trainers), and on step 1 they
+  are exactly what the mean reward gains over the run without it.
 - LoRA with a rollout rank (from the layout runs' start, KL on): after the first broadcast only
   the adapters go out (the logged bytes are theirs), the rollout rank's float32 replica samples
   the trainer's log-probs (1e-4) though it merges them itself, the KL is against the base, and
@@ -39,6 +42,11 @@ import torch.distributed.checkpoint as dcp
 from reference import launch_env
 from torchtitan_rl import rollout_files
 from torchtitan_rl.checkpoint import step_folders
+from torchtitan_rl.data.tokenizer import ByteTokenizer
+from torchtitan_rl.hf_checkpoint import save_hf_checkpoint
+from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
+from torchtitan_rl.models.qwen3.args import as_reward_model, qwen3_flavors
+from torchtitan_rl.models.qwen3.model import Qwen3Model
 from torchtitan_rl.models.registry import get_model_spec
 from torchtitan_rl.rl.advantages import group_advantages
 from torchtitan_rl.rl.rollout_dump import EVAL_TABLE_TAG, ROLLOUT_TABLE_TAG, table_rows
@@ -162,6 +170,9 @@ def layout_runs(tmp_path_factory) -> dict:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
     for name, num_ranks, extra in MULTI_TURN_RUNS:
         launch(out / name, num_ranks, *options, *MULTI_TURN, *extra)
+    reward_model = random_reward_model(out / "reward_model")
+    for name, num_ranks, extra in REWARD_MODEL_RUNS:
+        launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra, *reward_model)
     # The staleness-2 run resumed after step 2 at staleness 2, and at staleness 0 (its rollouts in
     # flight then lag too much).
     for name, staleness_options in (("async_resumed", ASYNC_K2), ("async_resumed_k0", ROLLOUT_RANK)):
@@ -185,6 +196,7 @@ def layout_runs(tmp_path_factory) -> dict:
             ("async_resumed", "async_resumed"),
             ("async_resumed_k0", "async_resumed_k0"),
             *((name, name) for name, _, _ in MULTI_TURN_RUNS),
+            *((name, name) for name, _, _ in REWARD_MODEL_RUNS),
         )
     } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
 
@@ -241,6 +253,23 @@ MULTI_TURN_TAGS = (
     "rl/observation_tokens_mean",
     "rl/episodes_truncated",
 )
+
+
+# A reward model in the loop (rl.reward_model), its raw scores added to the verifier's reward:
+# scored on the trainer, or on the rollout rank.
+REWARD_MODEL_RUNS = (("rm_one", 1, ()), ("rm_async_dp2", 3, ROLLOUT_RANK))
+REWARD_MODEL_WEIGHT = 0.1
+
+
+def random_reward_model(path: Path) -> tuple[str, ...]:
+    """A random reward model of the debug model's body with the run's byte tokenizer, exported
+    as a Hugging Face sequence classifier; the options that add its scores to the reward."""
+    model = Qwen3Model(as_reward_model(qwen3_flavors["debugmodel"]))
+    model.init_weights(3)
+    with torch.no_grad():  # scores that differ between completions
+        model.score.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    save_hf_checkpoint(model, str(path), torch.float32, ExportTokenizer.for_run(ByteTokenizer(), "", ["<|im_end|>"]))
+    return ("--rl.reward_model", str(path), "--rl.reward_model_weight", str(REWARD_MODEL_WEIGHT))
 
 
 def launch(dump: Path, num_ranks: int, *options: str, timeout: int = 600) -> str:
@@ -302,6 +331,22 @@ def test_rollout_ranks_at_staleness_0_log_the_colocated_numbers(layout_runs, lay
     # The colocated replica takes the same bytes each step (its first sync logged at step 1).
     colocated = layout_runs["one"]["comm/weight_sync_bytes"]
     assert colocated == {step: test["comm/weight_sync_bytes"][0] for step in range(1, LAYOUT_STEPS + 1)}
+
+
+def test_reward_model_scores_enter_the_reward_alike_on_trainers_and_rollout_ranks(layout_runs):
+    one, trainer, rollout_rank = layout_runs["one"], layout_runs["rm_one"], layout_runs["rm_async_dp2"]
+    for tag in (*LAYOUT_TAGS, "rl/reward_model", "rl/pass@1"):
+        assert sorted(trainer[tag]) == list(range(1, LAYOUT_STEPS + 1)), tag
+        for step, value in trainer[tag].items():
+            assert rollout_rank[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-7), (tag, step)
+    # Step 1 samples the same rollouts with or without the reward model: its mean weighted score
+    # is all the mean reward gains, and the verifier's verdicts are unchanged.
+    gained = trainer["rl/reward_mean"][1] - one["rl/reward_mean"][1]
+    assert gained == pytest.approx(trainer["rl/reward_model"][1], rel=1e-4, abs=1e-6)
+    assert abs(gained) > 1e-3
+    assert trainer["rl/pass@1"][1] == one["rl/pass@1"][1]
+    assert "time/reward_model_s" in trainer  # scored on the trainer ...
+    assert "time/reward_model_s" not in rollout_rank  # ... or on the rollout rank
 
 
 def test_rollout_ranks_at_staleness_2_are_exact_across_training_layouts_and_resume(layout_runs):

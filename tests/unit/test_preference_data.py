@@ -3,6 +3,7 @@ final reply only, row errors naming file and line, and the loader's pairs over r
 
 import io
 import re
+import types
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from torchtitan_rl.data.preferences import plan_preference_row, tokenize_prefere
 from torchtitan_rl.data.sample import find_vision_problem
 from torchtitan_rl.data.tokenizer import build_tokenizer
 from torchtitan_rl.data.vision_samples import RowPlanner, VisionDataConfig
-from torchtitan_rl.recipes.preference_eval import hold_out, prompt_and_completion
+from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.recipes.preference_eval import held_out_pairs, hold_out, prompt_and_completion
 
 BYTES = build_tokenizer("")
 
@@ -171,6 +173,10 @@ BAD_ROWS = [
         {"prompt": [user("q")], "chosen": [assistant([{"type": "image", "image": "x.png"}])], "rejected": "r"},
         "'chosen': .*image in text the model learns to emit",
     ),
+    ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": "big"}, "'margin' must be a finite number, got 'big'"),
+    ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": float("nan")}, "'margin' must be a finite .* got nan"),
+    ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": float("-inf")}, "'margin' must be a finite .* got -inf"),
+    ({"prompt": "p", "chosen": "c", "rejected": "r", "margin": [1.0]}, "'margin' must be a finite .* got \\[1.0\\]"),
 ]
 
 
@@ -324,6 +330,34 @@ def test_resume_gives_the_same_next_batches():
             (text_of(s), s.group_id, s.preferred) for s in expected[step]
         ]
         assert all(torch.equal(a.loss_mask, b.loss_mask) for a, b in zip(batch, expected[step], strict=True))
+
+
+def test_every_sample_carries_its_pairs_margin_over_ranks(tmp_path):
+    """Rows with a margin (int or float, any sign) mixed with rows without one (margin 0): each
+    side of each pair carries its row's, in the training batches over balanced ranks and in the
+    held-out pairs."""
+    rows = [dict(pair_row(i), **({"margin": [1.5, -2, 0.25][i % 3]} if i % 4 else {})) for i in range(23)]
+    # Files merge rows with and without the column: datasets gives None to the rows without it.
+    loaded = load_rows("unused", str(write_jsonl(tmp_path / "pairs.jsonl", rows)), "train", 0, 0)
+    margin_of = {row["prompt"]: float(row.get("margin", 0)) for row in rows}
+    loaders = [pair_loader(rank, 2, True, rows=loaded) for rank in range(2)]
+    seen = set()
+    for _ in range(6):
+        for share in [next(loader) for loader in loaders]:
+            for sample in share:
+                prompt = text_of(sample)[:4]
+                assert sample.margin == margin_of[prompt], prompt
+                seen.add(sample.margin)
+    assert seen == {0.0, 1.5, -2.0, 0.25}
+    recipe = types.SimpleNamespace(
+        parallel_dims=types.SimpleNamespace(batch_rank=lambda: 0, batch_degree=1),
+        job_config=None,
+        model_args=qwen3_flavors["debugmodel"],
+        tokenizer=BYTES,
+    )
+    pairs, samples = held_out_pairs(recipe, loaded)
+    assert [s.margin for s in samples] == [margin_of[loaded[s.group_id]["prompt"]] for s in samples]
+    assert [(s.group_id, s.preferred) for s in samples] == [(k, side) for k in range(23) for side in (True, False)]
 
 
 def test_sft_mode_leaves_preference_fields_unset():

@@ -99,6 +99,8 @@ def brute_force(name: str, loss: PreferenceLoss, sums: list[dict]) -> tuple[torc
         "logps/rejected": sum(float(s["r"].detach()) for s in sums) / num_pairs,
         "loss_metrics/global_max_loss": max(float(v.detach()) for v in losses),
     }
+    if loss.nll_coef:
+        metrics["nll_loss"] = -sum(float(s["c"].detach()) for s in sums) / sum(s["nc"] for s in sums)
     return mean_loss, metrics
 
 

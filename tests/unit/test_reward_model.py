@@ -174,10 +174,16 @@ def test_score_engine_equals_the_plain_model(max_tokens):
         assert scale > 0, name  # every parameter, the score head included, gets a gradient
 
 
-def test_reward_model_step_equals_a_float64_reference():
-    """The Bradley–Terry loss with centering, its metrics and its gradient, from the step on
-    pairs spread over micro-batches in shuffled order, equal the loss of every pair's whole
-    texts through a float64 copy of the model, differentiated by autograd."""
+# Per pair: no margin (0), a margin larger than the untrained scores' gaps, a negative one.
+MARGINS = (0.0, 2.5, -1.5)
+
+
+@pytest.mark.parametrize("margins", [(0.0, 0.0, 0.0), MARGINS], ids=["no-margins", "margins"])
+def test_reward_model_step_equals_a_float64_reference(margins):
+    """The Bradley–Terry loss with centering (and each pair's margin), its metrics and its
+    gradient, from the step on pairs spread over micro-batches in shuffled order, equal the
+    loss of every pair's whole texts through a float64 copy of the model, differentiated by
+    autograd."""
     engine = score_engine(max_tokens=14)
     loss = RewardModelLoss(center_coef=0.3)
     seqs = [random_tokens(n, 200, 40 + i) for i, n in enumerate([5, 8, 3, 6, 9, 4])]
@@ -188,16 +194,23 @@ def test_reward_model_step_equals_a_float64_reference():
         sample = Sample(
             input_ids=seqs[i][:-1], labels=seqs[i][1:], loss_mask=torch.ones(len(seqs[i]) - 1, dtype=torch.bool)
         )
-        sample.group_id, sample.preferred = i // 2, i % 2 == 0
+        sample.group_id, sample.preferred, sample.margin = i // 2, i % 2 == 0, margins[i // 2]
         samples.append(sample)
     fb, values = reward_model_step(engine, samples, loss, num_pairs=3)
     reference = Qwen3Model(ARGS).double()
     reference.load_state_dict(engine.model.state_dict())
     scores = torch.stack([reference.score(reference(*pack([s])))[-1, 0] for s in seqs])
     chosen, rejected = scores[0::2], scores[1::2]
-    value = (-torch.nn.functional.logsigmoid(chosen - rejected) + 0.3 * (chosen + rejected) ** 2).mean()
+    pairs = torch.stack(
+        [
+            -torch.nn.functional.logsigmoid(chosen[k] - rejected[k] - m) + 0.3 * (chosen[k] + rejected[k]) ** 2
+            for k, m in enumerate(margins)
+        ]
+    )
+    value = pairs.mean()
     value.backward()
     assert values["loss_metrics/global_avg_loss"] == pytest.approx(float(value.detach()), rel=1e-5)
+    assert values["loss_metrics/global_max_loss"] == pytest.approx(float(pairs.max().detach()), rel=1e-5)
     assert values["rm/accuracy"] == float((chosen > rejected).double().mean())
     assert values["rm/margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5, abs=1e-6)
     for (name, param), (_, ref) in zip(engine.model.named_parameters(), reference.named_parameters(), strict=True):

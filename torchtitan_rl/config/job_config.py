@@ -475,6 +475,30 @@ class RL:
     (pass@k) when a "correct" component of 0 or 1 says so, else when its reward is >= 1.
     Imported and checked at start-up; "" keeps the task's verifier."""
 
+    reward_model: str = ""
+    """A reward model that scores every completion: a Hugging Face
+    Qwen3ForSequenceClassification directory (job.recipe = "reward_model" writes one with
+    checkpoint.last_save_in_hf), whose tokenizer must be the policy's. It reads the prompt and
+    the completion (its stop token included) and its score at the last token, times
+    rl.reward_model_weight, is added to the verifier's reward (or rl.reward_fn's) and logged as
+    rl/reward_model; with rl.reward_model_alone it is the whole reward. Scored on an unsharded
+    replica in generation.dtype, in packed batches of training.max_tokens_per_microbatch tokens
+    (0: training.seq_len), wherever the rollouts are made (the training ranks, or the rollout
+    ranks), after the verifier. Single-turn text tasks only. "" = no reward model."""
+
+    reward_model_weight: float = bounded(1.0, gt=0)
+    """The factor of the reward model's (normalized) score in the reward."""
+
+    reward_model_normalize: bool = False
+    """Standardize the reward model's scores over each sampling round's rollouts (those of
+    every rank: the same for every layout) to mean 0 and standard deviation 1 before
+    rl.reward_model_weight, so the weight sets their scale next to the verifier's reward."""
+
+    reward_model_alone: bool = False
+    """The reward is the reward model's score alone; the verifier (or rl.reward_fn) still
+    judges which completions are correct (rl/pass@1, the evaluation) but adds nothing. Rows of
+    a dataset task may then lack an answer: they count as not correct."""
+
     env: str = ""
     """Multi-turn environment: a built-in one (calculator, guess_number) or a user's class as
     "package.module:ClassName" (imported and checked at start-up); "" = single-turn, the task's

@@ -204,6 +204,7 @@ def _check_task(cfg) -> None:
         for key in ("partial_credit", "format_reward", "answer_match"):
             if getattr(rl, key) != getattr(defaults, key):
                 raise ValueError(f"rl.{key}: sets the task's verifier, which rl.reward_fn = {rl.reward_fn!r} replaces")
+    _check_reward_model_in_rl(cfg)
     if rl.sft_warmup_only:
         if not rl.sft_warmup_steps:
             raise ValueError("rl.sft_warmup_only: set rl.sft_warmup_steps >= 1 (the warm-up is all this run does)")
@@ -213,6 +214,26 @@ def _check_task(cfg) -> None:
             )
         if cfg.parallelism.rollout_ranks:
             raise ValueError("parallelism.rollout_ranks: rl.sft_warmup_only runs no RL step, so nothing to generate")
+
+
+def _check_reward_model_in_rl(cfg) -> None:
+    """A reward model scores single-turn text completions; its other keys need it."""
+    rl = cfg.rl
+    if not rl.reward_model:
+        defaults = type(rl)()
+        for key in ("reward_model_weight", "reward_model_normalize", "reward_model_alone"):
+            if getattr(rl, key) != getattr(defaults, key):
+                raise ValueError(f"rl.{key}: only used with rl.reward_model (the path of a reward model)")
+        return
+    if rl.env:
+        raise ValueError(
+            "rl.reward_model: with rl.env the environment rewards each episode; leave rl.reward_model empty"
+        )
+    if cfg.model.name != "qwen3":
+        raise ValueError(
+            f"rl.reward_model: a text reward model cannot score the completions of a model.name = {cfg.model.name!r} "
+            "policy, whose prompts hold images"
+        )
 
 
 def _check_rollout_correction(rl) -> None:

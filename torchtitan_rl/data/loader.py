@@ -120,7 +120,7 @@ class SFTDataLoader(IterableDataset):
     ``preference_pairs``: every row is a preference pair (``data.preferences``) that becomes two
     samples, the chosen then the rejected completion, kept or dropped together. A global
     mini-batch then takes ``global_batch_size`` pairs: pair k is its samples 2k and 2k + 1, both
-    with ``group_id = k``, ``preferred`` True and False. The ``2 * global_batch_size`` samples
+    with ``group_id = k`` and the row's ``margin``, ``preferred`` True and False. The ``2 * global_batch_size`` samples
     are split over the ranks as above, so a pair's two samples may train on different ranks.
     A pair is never truncated, whatever ``long_sample_policy`` says (a cut answer would be
     compared with a whole one): a pair with a side longer than ``seq_len`` is dropped.
@@ -306,7 +306,7 @@ class SFTDataLoader(IterableDataset):
         if self.preference_pairs:
             for i, sample in zip(mine, samples):
                 # Pair k is samples 2k (chosen) and 2k + 1 (rejected) of the global mini-batch.
-                sample.group_id, sample.preferred = i // 2, i % 2 == 0
+                sample.group_id, sample.preferred, sample.margin = i // 2, i % 2 == 0, global_batch[i].margin
         batch = samples if self.prepare is None else self.prepare(samples)
         return _Batch(batch, self._live_state(), dict(self._balance_stats))
 

@@ -16,8 +16,14 @@ Accepted rows:
 Images are given as in SFT rows (``data.chat``): content parts of the prompt's messages, or
 ``<image>`` markers with a top-level ``"images"`` list; never in a reply. Both sides carry the
 prompt's images.
+
+Any row may carry a numeric ``"margin"`` (0 when absent): by how much a reward model's score of
+the chosen side should exceed the rejected one's (``losses.reward_model``). DPO ignores it.
 """
 
+import dataclasses
+import math
+from numbers import Real
 from typing import Any
 
 from torchtitan_rl.data.chat import TRAINED_ROLE, TokenizedRow, conversation_problem, tokenize_row_with_images
@@ -35,6 +41,16 @@ PREFERENCE_FORMATS = (
 def _problem(text: str, row: dict[str, Any]) -> ValueError:
     columns = sorted(key for key, value in row.items() if value is not None)
     return ValueError(f"invalid preference row with columns {columns}: {text}; expected {PREFERENCE_FORMATS}")
+
+
+def preference_margin(row: dict[str, Any]) -> float:
+    """The row's ``margin`` (0 without one); a ValueError unless it is a finite number."""
+    value = row.get("margin")
+    if value is None:  # also a row without it, of a dataset merged from files with and without the column
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"invalid preference row: 'margin' must be a finite number, got {value!r}")
+    return float(value)
 
 
 def _kind(value: Any) -> str:
@@ -154,12 +170,14 @@ def plan_preference_row(
     planner: RowPlanner, row: dict[str, Any], row_index: int, where: str, base_dir: str | None
 ) -> tuple[PlannedSample, PlannedSample]:
     """``RowPlanner.plan_row`` of both sides of a preference row: ``(chosen, rejected)``, each
-    with image placeholders and patch grids. Errors are prefixed with ``where`` (the row)."""
+    with image placeholders and patch grids and the row's ``margin``. Errors are prefixed with
+    ``where`` (the row)."""
     try:
         chosen, rejected = tokenize_preference_row(row, planner.tokenizer, base_dir)
+        margin = preference_margin(row)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
     return (
-        planner.plan_tokenized(chosen, row_index, f"{where} {SIDES[0]}"),
-        planner.plan_tokenized(rejected, row_index, f"{where} {SIDES[1]}"),
+        dataclasses.replace(planner.plan_tokenized(chosen, row_index, f"{where} {SIDES[0]}"), margin=margin),
+        dataclasses.replace(planner.plan_tokenized(rejected, row_index, f"{where} {SIDES[1]}"), margin=margin),
     )

@@ -77,6 +77,9 @@ class Sample:
     # Preference pairs: True for the chosen completion of pair ``group_id``, False for the
     # rejected one; None otherwise.
     preferred: bool | None = None
+    # Preference pairs: the pair's margin (its row's ``margin`` column, 0 without one), the same
+    # on both sides; a reward model's loss wants the chosen score above the rejected one by it.
+    margin: float = 0.0
     # RL: the version of the weights that sampled the completion (the RL step they are from),
     # which tells the sampler/trainer mismatch apart from staleness (``rl/*_logprob_diff_*``).
     sampler_version: int | None = None

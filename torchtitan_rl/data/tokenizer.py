@@ -113,6 +113,10 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
 
+    def get_vocab(self, with_added_tokens: bool = True) -> dict[str, int]:
+        """Token string -> id (``tokenizers.Tokenizer.get_vocab``)."""
+        return self._tokenizer.get_vocab(with_added_tokens=with_added_tokens)
+
 
 def build_tokenizer(hf_assets_path: str) -> Tokenizer:
     if hf_assets_path == "":

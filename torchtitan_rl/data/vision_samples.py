@@ -8,7 +8,7 @@ images and map placeholder tokens to feature rows (``Sample.vision_rows``).
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -110,6 +110,7 @@ class PlannedSample:
     tokens: list[int]
     target_mask: list[bool]
     images: tuple[PlannedImage, ...] = ()
+    margin: float = 0.0  # a preference pair's side: the pair's margin (``data.preferences``)
 
     @property
     def num_patches(self) -> int:
@@ -123,9 +124,7 @@ class PlannedSample:
     def truncated(self, num_tokens: int) -> "PlannedSample":
         if num_tokens < self.images_end:
             raise ValueError(f"{self.where}: cutting at {num_tokens} tokens would split an image")
-        return PlannedSample(
-            self.row_index, self.where, self.tokens[:num_tokens], self.target_mask[:num_tokens], self.images
-        )
+        return replace(self, tokens=self.tokens[:num_tokens], target_mask=self.target_mask[:num_tokens])
 
 
 class RowPlanner:

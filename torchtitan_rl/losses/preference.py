@@ -143,9 +143,10 @@ def _rest(sums: PairSums) -> tuple[torch.Tensor, ...]:
 
 
 def preference_metrics(loss: PreferenceLoss, sums: PairSums) -> dict[str, float]:
-    """The step's metrics over its pairs, under TRL's names."""
+    """The step's metrics over its pairs, under TRL's names; with ``nll_coef`` also the chosen
+    completions' NLL per token (``nll_loss``, before its coefficient)."""
     chosen, rejected = implicit_rewards(loss, sums)
-    return {
+    metrics = {
         "rewards/chosen": float(chosen.mean()),
         "rewards/rejected": float(rejected.mean()),
         "rewards/accuracies": float((chosen > rejected).double().mean()),
@@ -153,6 +154,9 @@ def preference_metrics(loss: PreferenceLoss, sums: PairSums) -> dict[str, float]
         "logps/chosen": float(sums.chosen.mean()),
         "logps/rejected": float(sums.rejected.mean()),
     }
+    if loss.nll_coef:
+        metrics["nll_loss"] = float(-sums.chosen.double().sum() / sums.num_chosen.double().sum().clamp(min=1))
+    return metrics
 
 
 def pair_sums(

@@ -38,6 +38,7 @@ from torchtitan_rl.recipes.base import (
 )
 from torchtitan_rl.recipes.grpo_data import (
     build_generator,
+    build_reward_model,
     first_messages,
     generation_dtype,
     read_task,
@@ -155,6 +156,7 @@ class GRPORecipe(Recipe):
                 self.stream,
                 self.env_class,
                 data.train_images,
+                build_reward_model(job_config, data, self.device),
             )
         self.reference = ReferencePolicy(self, _REFERENCE_REMEDY) if rl.use_reference else None
         extra = self.reference.checkpointed() if self.reference is not None else None

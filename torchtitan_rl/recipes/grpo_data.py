@@ -5,6 +5,7 @@ sampler's replica and its sampling parameters. Training ranks and rollout ranks
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,9 +21,11 @@ from torchtitan_rl.recipes.base import (
     model_args_from_config,
     vision_data_config,
 )
+from torchtitan_rl.recipes.reward_model_replica import load_reward_model, reward_model_args
 from torchtitan_rl.rl.envs import load_environment
 from torchtitan_rl.rl.generator import PromptImages, SamplingParams, TorchGenerator
 from torchtitan_rl.rl.plugins import calling_user_code
+from torchtitan_rl.rl.reward_model_scores import RewardModelScorer
 from torchtitan_rl.rl.tasks import GENERATED_TASKS, Problem, Task, task_from_config
 
 _GENERATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # generation.dtype but "auto"
@@ -40,6 +43,7 @@ class TaskData:
     vision: VisionDataConfig | None = None  # how a vision-language model takes images; None: a text model
     train_images: list[PromptImages] | None = None  # per train prompt (a vision-language model only)
     eval_images: list[PromptImages] | None = None
+    reward_model_args: Any = None  # rl.reward_model's model args, checked; None: no reward model
 
 
 def read_task(run: RunContext) -> TaskData:
@@ -86,7 +90,9 @@ def read_task(run: RunContext) -> TaskData:
                 + (f"rl.env = {rl.env!r} has no demonstration(problem)" if rl.env else "no rl.env to demonstrate")
                 + " to train on; set it to 0"
             )
-    vision = vision_data_config(cfg, model_args_from_config(cfg, run.device, tokenizer))
+    model_args = model_args_from_config(cfg, run.device, tokenizer)
+    vision = vision_data_config(cfg, model_args)
+    reward_model = reward_model_args(rl.reward_model, tokenizer, model_args.attn_backend) if rl.reward_model else None
     planner = RowPlanner(tokenizer, vision) if vision is not None else None
 
     def prompt_of(index: int, problem: Problem) -> tuple[list[int], PromptImages]:
@@ -120,7 +126,9 @@ def read_task(run: RunContext) -> TaskData:
                 f"{generation.max_new_tokens} does not fit training.seq_len={cfg.training.seq_len}"
             )
     images = ([i for _, i in train], [i for _, i in evaluation]) if vision is not None else (None, None)
-    return TaskData(task, [t for t, _ in train], [t for t, _ in evaluation], stop_ids, env_class, vision, *images)
+    return TaskData(
+        task, [t for t, _ in train], [t for t, _ in evaluation], stop_ids, env_class, vision, *images, reward_model
+    )
 
 
 def warms_up(job_config: JobConfig) -> bool:
@@ -175,6 +183,17 @@ def build_generator(
         freeze_vision=job_config.model.freeze_vision,
         compile=generation.compile,
     )
+
+
+def build_reward_model(job_config: JobConfig, data: TaskData, device: torch.device) -> RewardModelScorer | None:
+    """The replica of ``rl.reward_model`` that scores the rollouts made on this rank, in
+    ``generation.dtype``; None without one."""
+    if data.reward_model_args is None:
+        return None
+    training = job_config.training
+    args, path = data.reward_model_args, job_config.rl.reward_model
+    model = load_reward_model(args, path, device, generation_dtype(job_config, device))
+    return RewardModelScorer(model, training.max_tokens_per_microbatch or training.seq_len)
 
 
 def generation_dtype(job_config: JobConfig, device: torch.device) -> torch.dtype:

@@ -57,7 +57,7 @@ def held_out_pairs(recipe: Recipe, rows: Sequence) -> tuple[list, list[Sample]]:
     for index in split_among_peers(list(range(len(pairs))), dims.batch_rank(), dims.batch_degree):
         for preferred, planned in zip((True, False), pairs[index]):
             sample = build_sample(planned, vision)
-            sample.group_id, sample.preferred = index, preferred
+            sample.group_id, sample.preferred, sample.margin = index, preferred, planned.margin
             samples.append(sample)
     return pairs, samples
 

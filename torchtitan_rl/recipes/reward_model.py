@@ -35,22 +35,25 @@ logger = logging.getLogger(__name__)
 
 def whole_text(sample: Sample) -> Sample:
     """A pair side as a reward model reads it: every token of the text as input (a training
-    sample's inputs lack the last one, which is only a label), with its pair and side."""
+    sample's inputs lack the last one, which is only a label), with its pair, side and margin."""
     tokens = torch.cat((sample.input_ids, sample.labels[-1:]))
     whole = Sample(input_ids=tokens, labels=tokens, loss_mask=torch.ones(len(tokens), dtype=torch.bool))
-    whole.group_id, whole.preferred = sample.group_id, sample.preferred
+    whole.group_id, whole.preferred, whole.margin = sample.group_id, sample.preferred, sample.margin
     return whole
 
 
 def pair_scores(
     engine: ScoreEngine, samples: list[Sample], num_pairs: int
-) -> tuple[list[Sample], torch.Tensor, torch.Tensor]:
-    """This rank's ``samples`` as whole texts, and every pair's chosen and rejected scores
-    (float64 ``[num_pairs]`` each, identical on every rank). Collective over the training ranks."""
+) -> tuple[list[Sample], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``samples`` as whole texts, and every pair's chosen and rejected scores and
+    its margin (float64 ``[num_pairs]`` each, identical on every rank). Collective over the
+    training ranks."""
     texts = [whole_text(sample) for sample in samples]
     scores = engine.scores(texts)
-    (chosen,), (rejected,) = exchange_pairs(texts, scores[:, None], num_pairs, engine.parallel_dims.mesh("batch"))
-    return texts, chosen, rejected
+    values = torch.stack((scores, torch.tensor([s.margin for s in texts], dtype=torch.float64)), dim=1)
+    # Both sides carry their pair's margin; the chosen side's is the pair's.
+    (chosen, margins), (rejected, _) = exchange_pairs(texts, values, num_pairs, engine.parallel_dims.mesh("batch"))
+    return texts, chosen, rejected, margins
 
 
 def reward_model_step(
@@ -60,13 +63,13 @@ def reward_model_step(
     pairs, of which this rank holds ``samples`` (a pair's two sides may sit on different ranks),
     and return the engine's metrics and the step's loss and ``rm/*`` values (identical on every
     rank). Collective over the training ranks."""
-    texts, chosen, rejected = pair_scores(engine, samples, num_pairs)
-    grad_chosen, grad_rejected, value = score_coefficients(loss, chosen, rejected)
+    texts, chosen, rejected, margins = pair_scores(engine, samples, num_pairs)
+    grad_chosen, grad_rejected, value = score_coefficients(loss, chosen, rejected, margins)
     coefficients = torch.stack([(grad_chosen if s.preferred else grad_rejected)[s.group_id] for s in texts])
     fb = engine.score_backward(texts, coefficients if texts else torch.zeros(0, dtype=torch.float64))
     values = {
         "loss_metrics/global_avg_loss": value,
-        "loss_metrics/global_max_loss": float(pair_losses(loss, chosen, rejected).max()),
+        "loss_metrics/global_max_loss": float(pair_losses(loss, chosen, rejected, margins).max()),
         **reward_model_metrics(chosen, rejected),
     }
     return fb, values
@@ -86,8 +89,8 @@ class RewardModelRecipe(DPORecipe):
     def _evaluate(self, step: int) -> None:
         """``eval/loss`` and ``eval/rm/*`` of the held-out pairs (collective)."""
         pairs, samples = self.evaluation
-        _, chosen, rejected = pair_scores(self.engine, samples, len(pairs))
-        values = {"eval/loss": float(pair_losses(self.loss, chosen, rejected).mean())}
+        _, chosen, rejected, margins = pair_scores(self.engine, samples, len(pairs))
+        values = {"eval/loss": float(pair_losses(self.loss, chosen, rejected, margins).mean())}
         values.update({f"eval/{tag}": value for tag, value in reward_model_metrics(chosen, rejected).items()})
         if self.rank == 0:
             logger.info(

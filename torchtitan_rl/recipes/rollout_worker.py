@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from torchtitan_rl.distributed.utils import PeerFailedError
 from torchtitan_rl.recipes.base import RunContext, model_args_from_config
-from torchtitan_rl.recipes.grpo_data import build_generator, read_task, sampling_params
+from torchtitan_rl.recipes.grpo_data import build_generator, build_reward_model, read_task, sampling_params
 from torchtitan_rl.rl.rollout_ranks import (
     Outbox,
     RolloutFailure,
@@ -64,6 +64,7 @@ class RolloutWorker:
             self.stream,
             data.env_class,
             data.train_images,
+            build_reward_model(cfg, data, self.device),
         )
         self.receiver = WeightReceiver(self.topology, self.generator, self.device)
         self.slots_by_trainer = trainer_slots(dims, cfg.rl.prompts_per_step, cfg.rl.num_minibatches)

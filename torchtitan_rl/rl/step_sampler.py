@@ -24,6 +24,12 @@ from torchtitan_rl.rl.dynamic_sampling import SignalExchange, round_offset, sele
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner, decode_completion
 from torchtitan_rl.rl.generator import PromptImages, Rollout, RolloutEngine, SamplingParams
 from torchtitan_rl.rl.length_shaping import shape_overlong
+from torchtitan_rl.rl.reward_model_scores import (
+    RewardModelScorer,
+    RewardModelSettings,
+    normalized,
+    with_model_scores,
+)
 from torchtitan_rl.rl.rollouts import (
     PromptStream,
     ScoredGroup,
@@ -34,6 +40,7 @@ from torchtitan_rl.rl.rollouts import (
     rollout_metrics,
     rollout_sums,
     score_groups,
+    split_among_peers,
 )
 from torchtitan_rl.rl.tasks import Reward, Task
 
@@ -51,8 +58,8 @@ class SampledStep:
 
 class StepSampler:
     """Draws a step's prompts from ``stream``, generates ``rl.group_size`` completions of each,
-    rewards them with ``task`` and scores the groups. ``images[i]``: prompt i's images (a
-    vision-language model; None: text prompts)."""
+    rewards them with ``task`` (and ``reward_model``, when given) and scores the groups.
+    ``images[i]``: prompt i's images (a vision-language model; None: text prompts)."""
 
     def __init__(
         self,
@@ -65,6 +72,7 @@ class StepSampler:
         stream: PromptStream,
         env_class: type | None = None,
         images: list[PromptImages] | None = None,
+        reward_model: RewardModelScorer | None = None,
     ):
         self.rl, self.seed = job_config.rl, job_config.generation.seed
         self.job_config = job_config
@@ -72,6 +80,11 @@ class StepSampler:
         self.generator, self.sampling, self.stream = generator, sampling, stream
         self.env_class = env_class
         self.images = images
+        self.reward_model = reward_model
+        rl = self.rl
+        self.reward_model_settings = RewardModelSettings(
+            rl.reward_model_weight, rl.reward_model_normalize, rl.reward_model_alone
+        )
 
     def sample(
         self,
@@ -95,7 +108,7 @@ class StepSampler:
         generated: list[ScoredGroup] = []
 
         def draw_round(round_index: int) -> list[ScoredGroup]:
-            groups, num_tokens = self._sample_round(step, round_index, slots, peer_mesh, group, times)
+            groups, num_tokens = self._sample_round(step, round_index, slots, batch_mesh, peer_mesh, group, times)
             generated.extend(groups)
             out.num_generated += num_tokens
             return groups
@@ -135,13 +148,15 @@ class StepSampler:
         step: int,
         round_index: int,
         slots: list[int],
+        batch_mesh: DeviceMesh | None,
         peer_mesh: DeviceMesh | None,
         group: dist.ProcessGroup | None,
         times: dict,
     ) -> tuple[list[ScoredGroup], int]:
         """Round ``round_index`` of the step on the stream's next prompts: the scored groups of
         ``slots`` (a group's slot is its candidate index, ``round_offset`` + slot) and the
-        tokens this rank generated."""
+        tokens this rank generated. The reward model's scores are normalized over
+        ``batch_mesh`` (see ``sample``)."""
         rl = self.rl
         problem_ids = self.stream.next_step()
         offset = round_offset(round_index, rl.prompts_per_step)
@@ -171,23 +186,39 @@ class StepSampler:
                 times[f"generate_{phase}"] = times.get(f"generate_{phase}", 0.0) + seconds
         with timed(times, "exchange"):
             rollouts = exchange_among_peers(local, peer_mesh)
-        with failures_shared(group), timed(times, "reward"):
-            rewards = [self.reward(problem_ids[r.prompt_index - offset], r) for r in rollouts]
-            groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
+        with failures_shared(group):
+            with timed(times, "reward"):
+                rewards = [self.verdict(problem_ids[r.prompt_index - offset], r) for r in rollouts]
+            if self.reward_model is not None:
+                # Each peer scores a share; the exchange below gives every peer all the scores.
+                peer_rank, num_peers = (0, 1) if peer_mesh is None else (peer_mesh.get_local_rank(), peer_mesh.size())
+                mine = split_among_peers(rollouts, peer_rank, num_peers)
+                with timed(times, "reward_model"):
+                    scores = self.reward_model.score([r.prompt_tokens + r.completion_tokens for r in mine])
+        if self.reward_model is not None:
+            with timed(times, "reward_model"):
+                scores = exchange_among_peers(scores, peer_mesh)
+                if self.reward_model_settings.normalize:
+                    scores = normalized(scores, batch_mesh)
+            rewards = with_model_scores(rewards, scores, self.reward_model_settings)
+        rewards = [self.shaped(reward, r) for reward, r in zip(rewards, rollouts)]
+        groups = score_groups(rollouts, rewards, rl.group_size, rl.advantage, rl.advantage_eps)
         return groups, sum(len(r.completion_tokens) for r in local)
 
     def episode_runner(self, problems: dict) -> EpisodeRunner:
         """Multi-turn episodes of ``problems`` (by prompt index) in ``rl.env``."""
         return EpisodeRunner.for_run(self.job_config, self.generator, self.env_class, problems, self.tokenizer)
 
-    def reward(self, problem_id: int, rollout: Rollout) -> Reward:
-        """The verifier's reward of ``rollout`` (an episode's: its environment's), shaped by the
-        overlong penalty when it is on."""
+    def verdict(self, problem_id: int, rollout: Rollout) -> Reward:
+        """The verifier's reward of ``rollout`` (an episode's: its environment's)."""
         if isinstance(rollout, EpisodeRollout):
             return Reward(rollout.reward, rollout.correct, {})
-        reward = self.task.reward(self.task.train_problems[problem_id], *completion_text(self.tokenizer, rollout))
+        return self.task.reward(self.task.train_problems[problem_id], *completion_text(self.tokenizer, rollout))
+
+    def shaped(self, reward: Reward, rollout: Rollout) -> Reward:
+        """``reward`` with the overlong penalty of ``rollout`` when it is on (never an episode's)."""
         rl = self.rl
-        if not rl.overlong_buffer:
+        if not rl.overlong_buffer or isinstance(rollout, EpisodeRollout):
             return reward
         length = len(rollout.completion_tokens)
         return shape_overlong(reward, length, self.sampling.max_new_tokens, rl.overlong_buffer, rl.overlong_penalty)

@@ -75,13 +75,15 @@ def build_task(
     format_reward: float = 0.0,
     answer_match: str = "exact",
     reward_fn: str = "",
+    answers_required: bool = True,
 ) -> Task:
     """The task ``name`` with ``num_train`` train and ``num_eval`` held-out problems drawn from ``seed``.
 
     ``name`` is one of ``TASKS`` or a factory's import path (``plugin.load_task``). ``path`` and
     ``eval_path`` are the files of the ``dataset`` task (or ``path`` is offered to a factory);
     ``partial_credit``, ``format_reward`` and ``answer_match`` set the built-in verifier (see
-    ``rewards``), which the function ``reward_fn`` names replaces. The arguments are the ``[rl]``
+    ``rewards``), which the function ``reward_fn`` names replaces. Without ``answers_required``
+    (a reward model rewards alone) a dataset row may lack its answer. The arguments are the ``[rl]``
     keys task, task_path, eval_task_path, num_train_prompts, num_eval_prompts, ..., and errors
     name those keys.
     """
@@ -112,7 +114,7 @@ def build_task(
         num_eval=num_eval,
         seed=seed,
         answer_match=answer_match,
-        answer_required=reward_function is None,
+        answer_required=reward_function is None and answers_required,
     )
     if reward_function is not None:
         return PluginTask(name, tuple(train), tuple(eval_problems), reward_function, tuple(spare))
@@ -154,4 +156,5 @@ def task_from_config(rl, seed: int, num_eval: int) -> Task:
         format_reward=rl.format_reward,
         answer_match=rl.answer_match,
         reward_fn=rl.reward_fn,
+        answers_required=not rl.reward_model_alone,
     )

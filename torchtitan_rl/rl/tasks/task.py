@@ -78,6 +78,9 @@ class VerifiableTask:
     spare_problems: tuple[Problem, ...] = ()
 
     def reward(self, problem: Problem, completion: str, stopped: bool) -> Reward:
+        if not problem.answer:
+            # A row without an answer (only while a reward model rewards alone): nothing to verify.
+            return Reward(total=0.0, correct=False, components={})
         return self.reward_spec.score(completion, problem.answer, stopped)
 
 
