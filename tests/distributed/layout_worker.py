@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import layout_cases as lc
 import torchtitan_rl.engine as engine_module
+from critic_cases import run_critic_checks
 from generator_cases import run_generator_checks
 from lora_cases import run_lora_checks
 from moe_cases import run_moe_checks
@@ -423,6 +424,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_lora_checks(dims, results)  # on lora_cases.LORA_LAYOUTS only
         run_tinker_checks(dims, results)  # on tinker_cases.TINKER_LAYOUTS only
         run_preference_checks(dims, results)  # on preference_cases.PREFERENCE_LAYOUTS only
+        run_critic_checks(dims, results)  # on critic_cases.CRITIC_LAYOUTS only
         run_activation_checkpointing(dims, results)  # on AC_LAYOUTS only
         run_compile(dims, results)  # on COMPILE_LAYOUTS only
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only

@@ -85,6 +85,8 @@ def _sample(n: int, loss_from: int, seed: int) -> Sample:
         ref_logprobs=-torch.rand(n, generator=gen),
         loss_weights=torch.randn(n, generator=gen),
         ratio_mask=(torch.rand(n, generator=gen) < 0.5).float(),
+        returns=torch.randn(n, generator=gen),
+        old_values=torch.randn(n, generator=gen),
         group_id=seed // 2,
     )
 

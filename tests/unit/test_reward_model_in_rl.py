@@ -22,7 +22,6 @@ from torchtitan_rl.rl.reward_model_scores import (
     RewardModelScorer,
     RewardModelSettings,
     normalized,
-    packed_batches,
     with_model_scores,
 )
 from torchtitan_rl.rl.tasks import Reward, build_task
@@ -50,12 +49,6 @@ def test_scores_equal_transformers_sequence_classifier(tmp_path, max_tokens):
     got = torch.tensor(scorer.score([s.tolist() for s in seqs]))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert want.std() > 1e-3  # not vacuous
-
-
-def test_packed_batches_hold_at_most_max_tokens_in_order():
-    assert packed_batches([6, 1, 9, 4, 7], 12) == [[0, 1], [2], [3, 4]]
-    assert packed_batches([15, 2], 12) == [[0], [1]]  # a longer sequence alone
-    assert packed_batches([], 12) == []
 
 
 def test_paths_that_are_no_reward_model_are_named(tmp_path):

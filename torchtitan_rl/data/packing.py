@@ -67,6 +67,8 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
     ratio_mask: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
     group_ids: torch.Tensor | None = None
     # Vision-language micro-batches: per token the row of the micro-batch's vision features
     # that replaces its embedding, or -1 (-1 on padding too); every image's patches

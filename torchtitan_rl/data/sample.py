@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
-# Optional per-token inputs of a sample that losses read (RL's, and the per-token weights and
-# GSPO ratio masks of a caller that weighs tokens itself), each aligned with ``labels`` (value t
-# belongs to the prediction of labels[t]), float32.
+# Optional per-token inputs of a sample that losses read (RL's, the per-token weights and GSPO
+# ratio masks of a caller that weighs tokens itself, a critic's value targets), each aligned with
+# ``labels`` (value t belongs to the prediction of labels[t]), float32.
 RL_TOKEN_INPUTS = (
     "advantages",
     "sampler_logprobs",
@@ -16,6 +16,8 @@ RL_TOKEN_INPUTS = (
     "ref_logprobs",
     "loss_weights",
     "ratio_mask",
+    "returns",
+    "old_values",
 )
 # Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
 # not a log-probability (e.g. probabilities or logits passed by mistake).
@@ -73,6 +75,10 @@ class Sample:
     ref_logprobs: torch.Tensor | None = None  # [n] float
     loss_weights: torch.Tensor | None = None  # [n] float
     ratio_mask: torch.Tensor | None = None  # [n] float, non-zero = in the sequence ratio
+    # PPO with a critic: each token's value target (the GAE return, ``rl.gae``) and the critic's
+    # value before the update (what value clipping holds the new one near).
+    returns: torch.Tensor | None = None  # [n] float
+    old_values: torch.Tensor | None = None  # [n] float
     group_id: int | None = None
     # Preference pairs: True for the chosen completion of pair ``group_id``, False for the
     # rejected one; None otherwise.

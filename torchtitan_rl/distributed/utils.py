@@ -119,6 +119,23 @@ def host_max(values: list[int], mesh: DeviceMesh | None) -> list[int]:
     return t.tolist()
 
 
+def global_moments(values: torch.Tensor, mesh: DeviceMesh | None) -> tuple[int, float, float]:
+    """``(count, mean, population variance)`` of ``values`` (1-D, any device) together with the
+    values of every other rank of ``mesh`` (None: these alone), in float64. Two passes (the
+    mean, then the squared deviations from it), so values far from 0 with a small spread keep
+    their variance; the mean and variance of no values are 0."""
+    values = values.detach().double().cpu()
+    sums = torch.tensor([values.numel(), values.sum().item()], dtype=torch.float64)
+    if mesh is not None:
+        dist.all_reduce(sums, group=mesh.get_group())
+    count = int(sums[0])
+    mean = float(sums[1]) / count if count else 0.0
+    squares = ((values - mean) ** 2).sum().reshape(1)
+    if mesh is not None:
+        dist.all_reduce(squares, group=mesh.get_group())
+    return count, mean, float(squares) / count if count else 0.0
+
+
 class PeerFailedError(RuntimeError):
     """Another rank failed where this one did not (``failures_shared``): the message names that
     rank and its error; its traceback is on that rank's stderr."""

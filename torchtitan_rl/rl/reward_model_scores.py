@@ -18,10 +18,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_rl.data.balance import plan_microbatches
+from torchtitan_rl.distributed.utils import global_moments
 from torchtitan_rl.rl.tasks import Reward
 
 MODEL_COMPONENT = "model"
@@ -50,7 +51,7 @@ class RewardModelScorer:
     def score(self, sequences: list[list[int]]) -> list[float]:
         """The score of each of ``sequences`` (token ids), in order."""
         scores: list[float] = []
-        for batch in packed_batches([len(s) for s in sequences], self.max_tokens):
+        for batch in plan_microbatches([len(s) for s in sequences], self.max_tokens):
             lengths = torch.tensor([len(sequences[i]) for i in batch])
             tokens = torch.tensor([t for i in batch for t in sequences[i]], device=self.device)
             positions = torch.cat([torch.arange(n) for n in lengths.tolist()]).to(self.device)
@@ -61,32 +62,14 @@ class RewardModelScorer:
         return scores
 
 
-def packed_batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive indices of ``lengths`` grouped into batches of at most ``max_tokens`` tokens
-    (a longer sequence alone)."""
-    batches: list[list[int]] = []
-    total = 0
-    for i, n in enumerate(lengths):
-        if not batches or total + n > max_tokens:
-            batches.append([])
-            total = 0
-        batches[-1].append(i)
-        total += n
-    return batches
-
-
 def normalized(scores: list[float], batch_mesh: DeviceMesh | None) -> list[float]:
     """``scores`` standardized by the mean and the (population) standard deviation of the
     scores of every rank of ``batch_mesh`` (collective; None: these alone). Equal scores all
     become 0."""
-    sums = torch.tensor([len(scores), math.fsum(scores), math.fsum(s * s for s in scores)], dtype=torch.float64)
-    if batch_mesh is not None:
-        dist.all_reduce(sums, group=batch_mesh.get_group())
-    count, total, squares = sums.tolist()
+    count, mean, variance = global_moments(torch.tensor(scores, dtype=torch.float64), batch_mesh)
     if count == 0:
         return []
-    mean = total / count
-    std = math.sqrt(max(squares / count - mean * mean, 0.0))
+    std = math.sqrt(variance)
     # Scores equal up to rounding have no spread to scale: keep them equal rather than blow rounding up.
     if std <= 1e-6 * max(abs(mean), 1.0):
         return [0.0] * len(scores)

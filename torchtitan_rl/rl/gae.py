@@ -1,0 +1,116 @@
+"""Generalized advantage estimation (GAE, Schulman et al. 2016) for PPO with a learned critic.
+
+Every function works on packed samples: tensors of concatenated sequences, aligned with their
+labels (a sample's tokens as ``Sample.labels``), split by ``seq_lengths``. Only loss tokens (the
+tokens the policy sampled) take part: the recursion runs over a sequence's loss tokens in order
+and skips everything else, so in a multi-turn episode the value at the first sampled token
+after a tool observation bootstraps the last sampled token before it, and an observation earns
+no discount step of its own. A sequence's last loss token bootstraps from 0: the episode ends
+there.
+
+For the loss tokens t_1 < ... < t_K of one sequence, with rewards r and values V:
+
+    δ_k = r_k + γ·V_{k+1} − V_k        (V_{K+1} = 0)
+    A_k = δ_k + γ·λ·A_{k+1}            (A_{K+1} = 0)
+    R_k = A_k + V_k                    (the value target)
+
+Everything is computed in float64 on the host; positions that are not loss tokens get 0.
+"""
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchtitan_rl.distributed.utils import global_moments
+
+
+def _check(name: str, values: torch.Tensor, num_tokens: int) -> None:
+    if values.shape != (num_tokens,):
+        raise ValueError(f"{name} must have shape ({num_tokens},) like loss_mask, got {tuple(values.shape)}")
+
+
+def _check_lengths(loss_mask: torch.Tensor, seq_lengths: list[int]) -> None:
+    if loss_mask.dim() != 1:
+        raise ValueError(f"loss_mask must be 1-D, got shape {tuple(loss_mask.shape)}")
+    if any(n < 0 for n in seq_lengths) or sum(seq_lengths) != loss_mask.numel():
+        raise ValueError(f"seq_lengths {seq_lengths} do not split the {loss_mask.numel()} tokens of loss_mask")
+
+
+def token_rewards(
+    loss_mask: torch.Tensor,
+    seq_lengths: list[int],
+    episode_rewards: list[float],
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Float64 per-token rewards of packed sequences: each sequence's ``episode_rewards`` entry on
+    its last loss token, minus ``kl_coef · kl`` on every loss token (the KL penalty in the reward,
+    verl's ``use_kl_in_reward``; ``kl`` per token, aligned with ``loss_mask``). A sequence
+    without a loss token has no token to carry its reward, which is an error."""
+    _check_lengths(loss_mask, seq_lengths)
+    if len(episode_rewards) != len(seq_lengths):
+        raise ValueError(f"{len(episode_rewards)} episode rewards for {len(seq_lengths)} sequences")
+    mask = loss_mask.bool()
+    rewards = torch.zeros(mask.numel(), dtype=torch.float64)
+    if kl is not None and kl_coef:
+        _check("kl", kl, mask.numel())
+        rewards -= kl_coef * torch.where(mask, kl.double(), 0.0)
+    start = 0
+    for i, (length, reward) in enumerate(zip(seq_lengths, episode_rewards)):
+        positions = mask[start : start + length].nonzero()
+        if positions.numel() == 0:
+            raise ValueError(f"sequence {i} has no loss token to carry its reward")
+        rewards[start + int(positions[-1])] += reward
+        start += length
+    return rewards
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    loss_mask: torch.Tensor,
+    seq_lengths: list[int],
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages, returns)`` of packed sequences, float64, 0 off the loss tokens (see the
+    module's formulas). ``rewards`` and ``values`` per token, aligned with ``loss_mask``."""
+    _check_lengths(loss_mask, seq_lengths)
+    _check("rewards", rewards, loss_mask.numel())
+    _check("values", values, loss_mask.numel())
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={gamma}, lam={lam}")
+    mask = loss_mask.bool().tolist()
+    r = rewards.double().tolist()
+    v = values.double().tolist()
+    advantages = [0.0] * len(mask)
+    # One backward pass over the host lists: a loss token's advantage needs the next one's, a
+    # recursion with no vectorized form that stays stable for long sequences.
+    end = len(mask)
+    for length in reversed(seq_lengths):
+        next_value = running = 0.0
+        for t in range(end - 1, end - length - 1, -1):
+            if mask[t]:
+                running = r[t] + gamma * next_value - v[t] + gamma * lam * running
+                advantages[t] = running
+                next_value = v[t]
+        end -= length
+    advantages_t = torch.tensor(advantages, dtype=torch.float64)
+    returns = torch.where(loss_mask.bool(), advantages_t + values.double(), 0.0)
+    return advantages_t, returns
+
+
+def whiten(
+    advantages: torch.Tensor, loss_mask: torch.Tensor, batch_mesh: DeviceMesh | None, eps: float = 1e-8
+) -> torch.Tensor:
+    """``advantages`` shifted and scaled to mean 0 and variance 1 over the loss tokens of the
+    global batch: the statistics are reduced over ``batch_mesh`` (the data-parallel ranks; CP /
+    TP peers hold copies and are not summed), so they are the same under every layout. The
+    variance is Bessel-corrected and ``eps`` is added under the root (verl's ``masked_whiten``);
+    positions that are not loss tokens stay 0."""
+    _check("advantages", advantages, loss_mask.numel())
+    mask = loss_mask.bool()
+    count, mean, variance = global_moments(advantages.double()[mask], batch_mesh)
+    if count < 2:
+        raise ValueError(f"whitening needs at least 2 loss tokens in the global batch, got {count}")
+    variance *= count / (count - 1)
+    return torch.where(mask, (advantages.double() - mean) / (variance + eps) ** 0.5, 0.0)
