@@ -84,9 +84,15 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     lm_head = next(iter(to_hf({"output.weight": None})))
     # Tied HF checkpoints usually omit the output head; when one has it, it is the embedding again.
     unread_head = lm_head if model.args.tie_embeddings else None
-    if model.args.score_head and not read_hf_model_args(path).score_head:
-        score_head = next(iter(to_hf({"score.weight": None})))
-        params, unread_head = {key: value for key, value in params.items() if key != score_head}, lm_head
+    stored = read_hf_model_args(path) if model.args.score_head else None
+    if stored is not None and not stored.score_head:
+        # A language model's body: the score head stays as initialized.
+        score_head = set(to_hf({"score.weight": None, "score.bias": None}))
+        params, unread_head = {key: value for key, value in params.items() if key not in score_head}, lm_head
+    elif stored is not None and model.args.score_per_token and not stored.score_per_token:
+        # A reward model's: its head has no bias, which stays as initialized (0).
+        bias = next(iter(to_hf({"score.bias": None})))
+        params = {key: value for key, value in params.items() if key != bias}
     _check_same_keys(params.keys(), files.keys(), unread_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)

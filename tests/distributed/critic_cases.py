@@ -5,7 +5,8 @@ On the layouts of ``CRITIC_LAYOUTS`` (one rank, dp 2, tp 2, cp 2, dp2 x tp2, dp2
 (multi-turn: sampled spans separated by observation tokens) and trains on the clipped value
 loss against fixed returns and old values, under every reduction mode; ``BUDGET`` packs each
 rank's share into several micro-batches. Rank 0 records each mode's gradients and metrics, and
-every sample's values, for test_critic_layout.py. Kept free of any reference computation.
+every sample's values; then the samples' PPO targets from those values (GAE, advantages
+whitened over the data-parallel ranks), for test_critic_layout.py. Kept free of any reference computation.
 """
 
 import torch
@@ -17,8 +18,9 @@ from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import EngineOptions
 from torchtitan_rl.engine_values import CriticEngine
 from torchtitan_rl.losses.reduction import NUM_MICROBATCHES
-from torchtitan_rl.models.qwen3.args import as_reward_model
+from torchtitan_rl.models.qwen3.args import as_critic
 from torchtitan_rl.recipes.base import build_model
+from torchtitan_rl.rl.gae import set_critic_targets, target_metrics
 
 CRITIC_LAYOUTS = ((1, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2), (1, 1, 2, 1), (1, 2, 1, 2), (1, 2, 2, 1))
 MODES = ("sum", "token_mean", "sequence_mean", "seq_mean_token_sum_norm", "prompt_mean")
@@ -28,6 +30,8 @@ VALUE_COEF = 0.5
 # Per sample: the prompt length, then alternating (sampled, observation) span lengths.
 EPISODES = ((3, 4, 2, 3), (2, 6), (5, 2, 3, 1, 2, 2), (1, 3), (4, 5, 1, 2), (2, 1, 4, 3), (3, 7), (6, 2, 2, 2))
 GROUPS = (0, 0, 1, 1, 2, 2, 3, 3)
+EPISODE_REWARDS = (1.0, 0.0, 0.5, -1.0, 2.0, 0.0, 1.0, 0.25)
+GAMMA, LAM = 0.95, 0.9
 
 
 def global_samples() -> list[Sample]:
@@ -64,7 +68,7 @@ def run_critic_checks(dims: ParallelDims, results: dict) -> None:
     if layout not in CRITIC_LAYOUTS:
         return
     model = build_model(
-        as_reward_model(lc.model_args()),
+        as_critic(lc.model_args()),
         parallel_dims=dims,
         device=torch.device("cpu"),
         seed=lc.SEED,
@@ -89,3 +93,9 @@ def run_critic_checks(dims: ParallelDims, results: dict) -> None:
         }
         model.zero_grad(set_to_none=True)
         results[case_key(layout, mode)] = record
+    # GAE from the critic's values, advantages whitened over the data-parallel ranks.
+    rewards = [EPISODE_REWARDS[i] for i in indices]
+    set_critic_targets(samples, values, rewards, GAMMA, LAM, dims.mesh("batch"))
+    targets = {i: (s.advantages, s.returns, s.old_values) for i, s in zip(indices, samples)}
+    results[case_key(layout, "targets")] = gather_to_all(targets)
+    results[case_key(layout, "target_metrics")] = target_metrics(samples, dims.mesh("batch"))

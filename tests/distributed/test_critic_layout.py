@@ -3,7 +3,8 @@ one rank, dp 2, tp 2, cp 2, dp2 x tp2 and dp2 x cp2, with several micro-batches 
 multi-turn samples, every reduction mode gives one rank's values, ``critic/vf_loss``,
 ``critic/vf_clipfrac`` and gradients; one rank's equal every sample alone through the plain
 model in float64 with the loss written out token by token and its weights from the global
-counts by hand."""
+counts by hand. The PPO targets computed from those values (GAE, advantages whitened over
+the data-parallel ranks) equal one process's on the whole batch."""
 
 import functools
 
@@ -13,8 +14,9 @@ import torch
 import critic_cases as cc
 import layout_cases as lc
 from test_layout_invariance import assert_rel_close
-from torchtitan_rl.models.qwen3.args import as_reward_model
+from torchtitan_rl.models.qwen3.args import as_critic
 from torchtitan_rl.models.qwen3.model import Qwen3Model
+from torchtitan_rl.rl.gae import set_critic_targets, target_metrics
 
 RTOL = 1e-5
 ONE_RANK = (1, 1, 1, 1)
@@ -56,7 +58,7 @@ def weights(mode: str, samples) -> list[torch.Tensor]:
 @functools.cache
 def reference(mode: str) -> tuple[float, float, dict, dict]:
     """(vf_loss, vf_clipfrac, gradients, values per sample) in float64, one sample at a time."""
-    model = Qwen3Model(as_reward_model(lc.model_args()))
+    model = Qwen3Model(as_critic(lc.model_args()))
     model.init_weights(lc.SEED)
     model = model.double()
     samples = cc.global_samples()
@@ -121,3 +123,33 @@ def test_every_layout_equals_one_rank(layout_results, mode):
             torch.testing.assert_close(values[index], want, rtol=1e-5, atol=1e-6)
         for fqn, grad in baseline["grads"].items():
             assert_rel_close(case["grads"][fqn], grad, f"{layout} {mode} {fqn}", rtol=RTOL)
+
+
+def test_critic_targets_whiten_over_the_global_batch_under_every_layout(layout_results):
+    """Each layout's advantages, returns and old values equal one process's on the whole batch
+    with one rank's values (whose GAE and whitening test_gae checks against brute force)."""
+    one_rank_values = merged(runs(layout_results)[ONE_RANK]["sum"]["values"])
+    samples = cc.global_samples()
+    set_critic_targets(
+        samples,
+        [one_rank_values[i] for i in range(len(samples))],
+        list(cc.EPISODE_REWARDS),
+        cc.GAMMA,
+        cc.LAM,
+        None,
+    )
+    for world in layout_results.values():
+        for layout in cc.CRITIC_LAYOUTS:
+            if cc.case_key(layout, "targets") not in world:
+                continue
+            metrics = world[cc.case_key(layout, "target_metrics")]
+            for tag, value in target_metrics(samples, None).items():
+                assert metrics[tag] == pytest.approx(value, rel=1e-5, abs=1e-6), (layout, tag)
+            got = merged(world[cc.case_key(layout, "targets")])
+            assert set(got) == set(range(len(samples))), layout
+            for index, sample in enumerate(samples):
+                for name, value in zip(("advantages", "returns", "old_values"), got[index]):
+                    torch.testing.assert_close(
+                        value, getattr(sample, name), rtol=1e-5, atol=1e-5, msg=f"{layout} {name}"
+                    )
+    assert samples[0].advantages.abs().max() > 0.1  # not vacuous

@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
+from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.utils import global_moments
-from torchtitan_rl.rl.gae import gae, token_rewards, whiten
+from torchtitan_rl.rl.gae import gae, set_critic_targets, target_metrics, token_rewards, whiten
 
 
 def packed_episodes(seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -118,3 +119,39 @@ def test_global_moments_keep_a_small_spread_far_from_zero():
     count, mean, variance = global_moments(values, None)
     assert (count, mean, variance) == (4, 1e8 + 1.5, 1.25)
     assert global_moments(torch.zeros(0), None) == (0, 0.0, 0.0)
+
+
+def test_critic_targets_are_gae_whitened_over_the_batch_with_the_values_kept():
+    mask, lengths = packed_episodes(7)
+    keep = [i for i, n in enumerate(lengths) if mask[sum(lengths[:i]) : sum(lengths[: i + 1])].any()]
+    samples, values, rewards, kl = [], [], [], []
+    gen = torch.Generator().manual_seed(8)
+    start = 0
+    for i, n in enumerate(lengths):
+        if i in keep:
+            sample_mask = mask[start : start + n]
+            samples.append(Sample(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), sample_mask))
+            values.append(torch.randn(n, generator=gen))
+            rewards.append(float(torch.randn(1, generator=gen)))
+            kl.append(torch.rand(n, generator=gen))
+        start += n
+    set_critic_targets(samples, values, rewards, 0.9, 0.8, None, kl, kl_coef=0.1)
+    raw = []
+    for sample, v, reward, k in zip(samples, values, rewards, kl):
+        m = sample.loss_mask
+        r = token_rewards(m, [len(m)], [reward], k.double(), 0.1)
+        raw.append(brute_force(r, v.double(), m.tolist(), [len(m)], 0.9, 0.8))
+        returns = torch.where(m, raw[-1] + v.double(), 0.0).float()
+        torch.testing.assert_close(sample.returns, returns)
+        torch.testing.assert_close(sample.old_values, v)
+    values_t = torch.cat([v[s.loss_mask] for v, s in zip(values, samples)]).double()
+    returns_t = torch.cat([s.returns[s.loss_mask] for s in samples]).double()
+    metrics = target_metrics(samples, None)
+    assert metrics["critic/values_mean"] == pytest.approx(float(values_t.mean()))
+    assert metrics["critic/returns_mean"] == pytest.approx(float(returns_t.mean()))
+    explained = 1 - float((returns_t - values_t).var()) / float(returns_t.var())
+    assert metrics["critic/vf_explained_var"] == pytest.approx(explained)
+    tokens = torch.cat([a[s.loss_mask] for a, s in zip(raw, samples)])
+    mean, std = tokens.mean(), (tokens.var(unbiased=True) + 1e-8).sqrt()
+    for a, sample in zip(raw, samples):
+        torch.testing.assert_close(sample.advantages, torch.where(sample.loss_mask, (a - mean) / std, 0.0).float())

@@ -33,6 +33,8 @@ def reward_model_args(path: str, tokenizer: Tokenizer, attn_backend: str):
             f"{key}: a language model, not a reward model: its config.json names no one-label "
             "*ForSequenceClassification architecture"
         )
+    if args.score_per_token:
+        raise ValueError(f"{key}: a critic (*ForTokenClassification, a value per token), not a reward model")
     if args.num_experts:
         raise ValueError(f"{key}: a reward model with mixture-of-experts layers is not supported")
     _check_vocabulary(key, path, args.vocab_size, tokenizer)

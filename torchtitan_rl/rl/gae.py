@@ -20,6 +20,7 @@ Everything is computed in float64 on the host; positions that are not loss token
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.utils import global_moments
 
 
@@ -114,3 +115,53 @@ def whiten(
         raise ValueError(f"whitening needs at least 2 loss tokens in the global batch, got {count}")
     variance *= count / (count - 1)
     return torch.where(mask, (advantages.double() - mean) / (variance + eps) ** 0.5, 0.0)
+
+
+def set_critic_targets(
+    samples: list[Sample],
+    values: list[torch.Tensor],
+    episode_rewards: list[float],
+    gamma: float,
+    lam: float,
+    batch_mesh: DeviceMesh | None,
+    kl: list[torch.Tensor] | None = None,
+    kl_coef: float = 0.0,
+) -> None:
+    """Give each of this rank's ``samples`` its PPO inputs from the critic's per-token ``values``
+    (aligned with its labels) and its episode reward: ``advantages`` (GAE, whitened over the
+    global batch: collective over ``batch_mesh``), ``returns`` (the value targets) and
+    ``old_values`` (``values``, what value clipping holds the new values near). ``kl``: per
+    sample and token, the KL estimate the reward is penalized by with ``kl_coef``."""
+    if not (len(values) == len(episode_rewards) == len(samples)) or (kl is not None and len(kl) != len(samples)):
+        raise ValueError(f"{len(samples)} samples need as many values, rewards and KL estimates")
+    lengths = [len(sample) for sample in samples]
+    mask = torch.cat([torch.zeros(0, dtype=torch.bool), *(sample.loss_mask for sample in samples)])
+    packed_values = torch.cat([torch.zeros(0), *(v.float() for v in values)])
+    packed_kl = None if kl is None else torch.cat([torch.zeros(0), *kl])
+    rewards = token_rewards(mask, lengths, episode_rewards, packed_kl, kl_coef)
+    advantages, returns = gae(rewards, packed_values, mask, lengths, gamma, lam)
+    advantages = whiten(advantages, mask, batch_mesh)
+    for sample, a, r, v in zip(
+        samples, advantages.split(lengths), returns.split(lengths), packed_values.split(lengths)
+    ):
+        # Copies, not views of the packed buffers: a sample may be pickled alone.
+        sample.advantages, sample.returns, sample.old_values = a.float().clone(), r.float().clone(), v.clone()
+
+
+def target_metrics(samples: list[Sample], batch_mesh: DeviceMesh | None) -> dict[str, float]:
+    """``critic/values_mean``, ``critic/returns_mean`` and ``critic/vf_explained_var`` (verl's
+    meanings: 1 − Var(R − V) / Var(R), 1 for a perfect critic, 0 for one that knows only the
+    mean) over the loss tokens of the global batch's samples with critic targets (collective
+    over ``batch_mesh``)."""
+    mask = torch.cat([torch.zeros(0, dtype=torch.bool), *(s.loss_mask for s in samples)])
+    values = torch.cat([torch.zeros(0), *(s.old_values for s in samples)]).double()[mask]
+    returns = torch.cat([torch.zeros(0), *(s.returns for s in samples)]).double()[mask]
+    _, values_mean, _ = global_moments(values, batch_mesh)
+    _, returns_mean, returns_variance = global_moments(returns, batch_mesh)
+    _, _, error_variance = global_moments(returns - values, batch_mesh)
+    explained = 1.0 - error_variance / returns_variance if returns_variance > 0 else 0.0
+    return {
+        "critic/values_mean": values_mean,
+        "critic/returns_mean": returns_mean,
+        "critic/vf_explained_var": explained,
+    }

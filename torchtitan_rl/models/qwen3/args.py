@@ -102,6 +102,10 @@ class Qwen3ModelArgs:
     # A reward model: the head is one score per token (HF's ``*ForSequenceClassification`` with
     # one label, read at each sequence's last token) instead of the LM head (``as_reward_model``).
     score_head: bool = False
+    # A critic: the same head read at every token (HF's ``*ForTokenClassification`` with one
+    # label, ``as_critic``). How the head is read, not what the weights are: a critic may start
+    # from a reward model's checkpoint.
+    score_per_token: bool = False
     # Where the args were read from (a config.json path), so that errors name the file and its
     # keys; empty for a named flavor. Two args read from different files can be the same model.
     source: str = field(default="", compare=False, repr=False)
@@ -112,6 +116,7 @@ class Qwen3ModelArgs:
     # them; subclasses extend the tuple.
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (
         "attn_backend",
+        "score_per_token",
         "max_seq_len",
         "experts_impl",
         "router_aux_loss_coef",
@@ -132,6 +137,8 @@ class Qwen3ModelArgs:
             )
         if self.head_dim % 2 != 0:
             raise name.error(f"{name('head_dim')}={self.head_dim} must be even for rotary embeddings")
+        if self.score_per_token and not self.score_head:
+            raise ValueError("score_per_token reads a score head: set score_head too (see as_critic)")
         if self.score_head and self.tie_embeddings:
             raise name.error(f"a score head has no LM head to tie to the embedding: set {name('tie_embeddings')}=false")
         if self.attn_backend not in ATTN_BACKEND_CHOICES:
@@ -263,7 +270,7 @@ class Qwen3ModelArgs:
             return hf_config_field(config, key, kind, source, default)
 
         moe = _moe_from_hf(config, source) if config.get("model_type") == "qwen3_moe" else {}
-        score_head = _hf_score_head(config, source)
+        score_head, score_per_token = _hf_score_head(config, source)
         return cls(
             vocab_size=get("vocab_size", int),
             dim=get("hidden_size", int),
@@ -279,13 +286,20 @@ class Qwen3ModelArgs:
             max_seq_len=get("max_position_embeddings", int, 32768),
             attn_backend=attn_backend,
             score_head=score_head,
+            score_per_token=score_per_token,
             source=source,
             **moe,
         )
 
+    def _hf_head(self) -> str:
+        if not self.score_head:
+            return "ForCausalLM"
+        return "ForTokenClassification" if self.score_per_token else "ForSequenceClassification"
+
     def to_hf_config(self, torch_dtype: str) -> dict[str, Any]:
         """``config.json`` of the equivalent HF ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for
-        an MoE model; ``*ForSequenceClassification`` with one label for a score head), weights
+        an MoE model; ``*ForSequenceClassification`` with one label for a score head,
+        ``*ForTokenClassification`` for one read at every token), weights
         stored as ``torch_dtype``. A sequence classifier also needs ``pad_token_id`` (to find
         each row's last token), which the export adds with the tokenizer's ids.
 
@@ -294,7 +308,7 @@ class Qwen3ModelArgs:
         """
         family = "Qwen3Moe" if self.is_moe else "Qwen3"
         config = {
-            "architectures": [family + ("ForSequenceClassification" if self.score_head else "ForCausalLM")],
+            "architectures": [family + self._hf_head()],
             "model_type": "qwen3_moe" if self.is_moe else "qwen3",
             "vocab_size": self.vocab_size,
             "hidden_size": self.dim,
@@ -335,22 +349,31 @@ class Qwen3ModelArgs:
 
 def as_reward_model(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
     """``args`` with a score head in place of the LM head (untied: the embedding stays)."""
-    return dataclasses.replace(args, score_head=True, tie_embeddings=False)
+    return dataclasses.replace(args, score_head=True, score_per_token=False, tie_embeddings=False)
 
 
-def _hf_score_head(config: dict[str, Any], source: str) -> bool:
-    """Whether an HF config is a one-label sequence classifier (a reward model) rather than a
-    causal LM. transformers counts labels by ``id2label`` (two when absent)."""
+def as_critic(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
+    """``args`` with a score head read at every token in place of the LM head: a value model."""
+    return dataclasses.replace(args, score_head=True, score_per_token=True, tie_embeddings=False)
+
+
+def _hf_score_head(config: dict[str, Any], source: str) -> tuple[bool, bool]:
+    """Whether an HF config is a one-label classifier rather than a causal LM, and whether it
+    classifies tokens (a critic) rather than sequences (a reward model). transformers counts
+    labels by ``id2label`` (two when absent)."""
     architectures = config.get("architectures") or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        return False
+    kinds = {
+        kind for kind in ("Sequence", "Token") for name in architectures if name.endswith(f"For{kind}Classification")
+    }
+    if not kinds:
+        return False, False
     num_labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
     if num_labels != 1:
         raise ValueError(
-            f"{source}: a sequence classifier with {num_labels} labels; only one-label ones (reward models, "
-            "num_labels = 1) are supported"
+            f"{source}: a {'token' if 'Token' in kinds else 'sequence'} classifier with {num_labels} labels; "
+            "only one-label ones (reward models, critics: num_labels = 1) are supported"
         )
-    return True
+    return True, kinds == {"Token"}
 
 
 def with_router_aux_loss(args: Qwen3ModelArgs, aux_loss_coef: float) -> Qwen3ModelArgs:

@@ -199,8 +199,9 @@ class Qwen3Model(nn.Module):
         )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         if args.score_head:
-            # A reward model: one score per token, read at each sequence's last (``engine_scores``).
-            self.score = nn.Linear(args.dim, 1, bias=False)
+            # One score per token, read at each sequence's last by a reward model (``engine_scores``)
+            # and at every token by a critic (``engine_values``), whose HF form has a bias.
+            self.score = nn.Linear(args.dim, 1, bias=args.score_per_token)
         else:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -342,6 +343,9 @@ class Qwen3Model(nn.Module):
             # Stacked experts, each slice initialized like the dense SwiGLU's weight.
             std = INIT_STD if param_name != "w2" else INIT_STD / math.sqrt(2 * self.args.n_layers)
             nn.init.trunc_normal_(tensor, std=std, a=-3 * std, b=3 * std, generator=generator)
+            return
+        if fqn == "score.bias":
+            tensor.zero_()
             return
         if param_name != "weight":
             raise ValueError(f"no init rule for parameter {fqn!r}")

@@ -28,6 +28,7 @@ _TOP_LEVEL_TO_HF = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "score.weight": "score.weight",  # a reward model's head (HF *ForSequenceClassification)
+    "score.bias": "score.bias",  # a critic's (HF *ForTokenClassification)
 }
 _LAYER_TO_HF = {
     "attention.wq.weight": "self_attn.q_proj.weight",
