@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.utils import CheckpointException
 from torchtitan_rl.config.job_config import Checkpoint
 from torchtitan_rl.hf_checkpoint import load_hf_weights, save_hf_checkpoint
 from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
-from torchtitan_rl.models.lora import LoRASettings, is_adapter_key
+from torchtitan_rl.models.lora import LoRASettings, is_adapter_key, lora_modules
 from torchtitan_rl.models.qwen3.args import architecture_differences
 from torchtitan_rl.models.registry import spec_for_args
 from torchtitan_rl.peft_checkpoint import load_peft_adapter, save_merged_hf, save_peft_adapter
@@ -259,6 +259,7 @@ class CheckpointManager:
         export_tokenizer: ExportTokenizer | None = None,
         extra_models: dict[str, torch.nn.Module] | None = None,
         extra_states: dict[str, Stateful] | None = None,
+        extra_engines: dict[str, Any] | None = None,
         process_group: dist.ProcessGroup | None = None,
         lora: LoRASettings | None = None,
         export_merged: bool = False,
@@ -266,7 +267,10 @@ class CheckpointManager:
     ):
         """``export_tokenizer``: the run's tokenizer as a Hugging Face save writes it (its files and
         the token ids generation stops at; None: neither). ``extra_states``: more of the training
-        state, e.g. rollouts generated ahead.
+        state, e.g. rollouts generated ahead. ``extra_engines``: more trained models (anything
+        with ``model``, ``optimizer`` and ``lr_scheduler``, e.g. PPO's critic), saved with their
+        optimizer and schedule, in model-only saves too, and exported in Hugging Face format to
+        ``<step>/<name>`` by a Hugging Face save.
         ``process_group``: the ranks that save and load (the training ranks when GRPO has
         rollout ranks); None is the whole launch. ``lora``: the adapters ``model`` has (None:
         none); ``export_merged``: the last save in HF format adds the merged model; ``seed``: the
@@ -298,6 +302,11 @@ class CheckpointManager:
             **{name: _ModelState(m) for name, m in (extra_models or {}).items()},
             **(extra_states or {}),
         }
+        self.extra_engines = extra_engines or {}
+        for name, engine in self.extra_engines.items():
+            self.states[name] = _ModelState(engine.model)
+            self.states[f"{name}_optimizer"] = _OptimizerState(engine.model, engine.optimizer)
+            self.states[f"{name}_lr_scheduler"] = engine.lr_scheduler
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._pending: Future | None = None
         # Background saves run their collectives on a group of their own, so they never
@@ -454,7 +463,9 @@ class CheckpointManager:
             self._commit(partial, final, description)
             return
         if model_only:
-            states = {"model": _ModelState(self.model, _EXPORT_DTYPES[self.config.export_dtype])}
+            dtype = _EXPORT_DTYPES[self.config.export_dtype]
+            states = {"model": _ModelState(self.model, dtype)}
+            states.update({name: _ModelState(engine.model, dtype) for name, engine in self.extra_engines.items()})
         else:
             states = self.states
         if self.config.async_mode == "async":
@@ -487,10 +498,14 @@ class CheckpointManager:
         dtype, tokenizer = _EXPORT_DTYPES[self.config.export_dtype], self.export_tokenizer
         if self.lora is None:
             save_hf_checkpoint(self.model, partial, dtype, tokenizer, group=self.group)
-            return
-        save_peft_adapter(self.model, partial, self.lora, dtype, tokenizer, group=self.group)
-        if self.export_merged:
-            save_merged_hf(self.model, os.path.join(partial, "merged"), dtype, tokenizer, group=self.group)
+        else:
+            save_peft_adapter(self.model, partial, self.lora, dtype, tokenizer, group=self.group)
+            if self.export_merged:
+                save_merged_hf(self.model, os.path.join(partial, "merged"), dtype, tokenizer, group=self.group)
+        for name, engine in self.extra_engines.items():  # into the policy's folder, which now exists
+            # A model with adapters is exported merged: a plain model of its architecture.
+            save = save_merged_hf if lora_modules(engine.model) else save_hf_checkpoint
+            save(engine.model, os.path.join(partial, name), dtype, tokenizer, group=self.group)
 
     def _commit(self, partial: str, final: str, description: dict) -> None:
         """Rank 0: mark complete (description file, then the atomic rename), then prune."""

@@ -26,8 +26,8 @@ _STDOUT_RL = (
     "logprob_diff_max",
 )
 
-# The preference recipe's values the stdout line shows.
-_STDOUT_PREFERENCE = ("rewards/accuracies", "rewards/margins")
+# The preference recipe's values, and PPO's critic's, the stdout line shows.
+_STDOUT_PREFERENCE = ("rewards/accuracies", "rewards/margins", "critic/vf_loss", "critic/vf_explained_var")
 
 # Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}

@@ -132,11 +132,19 @@ def test_every_moe_layout_and_case_was_run(layout_results):
     assert set(moe_entries(layout_results, expert_parallel=True)) == expected_ep
 
 
+# The rank-2 adapters' gradients are products of small factors summed in another order on each
+# layout: float32 rounding reaches 1.3e-5 of their norm on some CPUs (an Intel Xeon, measured),
+# where a wrong weight or a missing rank would be off by far more than this.
+LORA_GRAD_RTOL = 5e-5
+
+
 def test_router_losses_and_gradients_equal_the_one_process_reference(layout_results):
     for key, entry in moe_entries(layout_results).items():
-        grads, token_loss, aux, z, config, imbalance = reference(key.split("/")[-1])
+        name = key.split("/")[-1]
+        grads, token_loss, aux, z, config, imbalance = reference(name)
         for fqn, g in grads.items():
-            assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}")
+            rtol = LORA_GRAD_RTOL if name == mc.LORA else RTOL
+            assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}", rtol)
         logged = entry["logged"]
         assert logged["grad_norm"] == pytest.approx(grad_norm(grads), rel=RTOL), key
         assert logged["loss_metrics/global_avg_loss"] == pytest.approx(token_loss, rel=RTOL, abs=1e-12), key

@@ -19,6 +19,8 @@
 - A reward model in the loop: its weighted scores are added to the rewards alike when the
   trainer scores (1 rank) and when the rollout rank does (dp=2 trainers), and on step 1 they
   are exactly what the mean reward gains over the run without it.
+- PPO with a learned critic (GAE, KL in the reward, value clipping, a critic-only first step):
+  dp=2 x tp=2, and cp=2 with a rollout rank, log the single rank's policy and critic numbers.
 - LoRA with a rollout rank (from the layout runs' start, KL on): after the first broadcast only
   the adapters go out (the logged bytes are theirs), the rollout rank's float32 replica samples
   the trainer's log-probs (1e-4) though it merges them itself, the KL is against the base, and
@@ -170,6 +172,8 @@ def layout_runs(tmp_path_factory) -> dict:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
     for name, num_ranks, extra in MULTI_TURN_RUNS:
         launch(out / name, num_ranks, *options, *MULTI_TURN, *extra)
+    for name, num_ranks, extra in PPO_RUNS:
+        launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *PPO, *extra)
     reward_model = random_reward_model(out / "reward_model")
     for name, num_ranks, extra in REWARD_MODEL_RUNS:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra, *reward_model)
@@ -197,6 +201,7 @@ def layout_runs(tmp_path_factory) -> dict:
             ("async_resumed_k0", "async_resumed_k0"),
             *((name, name) for name, _, _ in MULTI_TURN_RUNS),
             *((name, name) for name, _, _ in REWARD_MODEL_RUNS),
+            *((name, name) for name, _, _ in PPO_RUNS),
         )
     } | {"tp_log": (out / "dp2_tp2" / "test" / "train.log").read_text(), "out": out}
 
@@ -252,6 +257,29 @@ MULTI_TURN_TAGS = (
     "rl/episode_tokens_mean",
     "rl/observation_tokens_mean",
     "rl/episodes_truncated",
+)
+
+
+# PPO with a learned critic from the same start: GAE with gamma, lambda and the KL in the reward,
+# value clipping tight enough to act in the second mini-batch, a first step that trains the critic
+# alone. Data parallel and tensor parallel in one run, context parallel with a rollout rank.
+PPO = (
+    *("--rl.advantage", "gae", "--rl.group_size", "2", "--rl.partial_credit", "0.5"),
+    *("--rl.gamma", "0.95", "--rl.lam", "0.9", "--rl.kl_in_reward_coef", "0.05"),
+    *("--critic.warmup_steps", "1", "--critic.lr", "1e-3", "--loss.value_clip", "0.01"),
+)
+PPO_RUNS = (
+    ("ppo_one", 1, ()),
+    ("ppo_dp2_tp2", 4, ("--parallelism.tensor_parallel_degree", "2")),
+    ("ppo_cp2_rollout_rank", 3, ("--parallelism.context_parallel_degree", "2", *ROLLOUT_RANK)),
+)
+CRITIC_TAGS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/values_mean",
+    "critic/returns_mean",
+    "critic/vf_explained_var",
+    "critic/grad_norm",
 )
 
 
@@ -430,6 +458,19 @@ def test_multi_turn_steps_are_the_same_on_every_layout(layout_runs, layout):
     assert min(baseline["rl/turns_mean"].values()) > 1.5
     assert min(baseline["rl/observation_tokens_mean"].values()) > 10
     assert max(baseline["rl/groups_mixed"].values()) > 0 and min(baseline["grad_norm"].values()) > 0
+
+
+@pytest.mark.parametrize("layout", ["ppo_dp2_tp2", "ppo_cp2_rollout_rank"])
+def test_ppo_steps_with_a_critic_are_the_same_on_every_layout(layout_runs, layout):
+    baseline, test = layout_runs["ppo_one"], layout_runs[layout]
+    for tag in (*LAYOUT_TAGS, *CRITIC_TAGS):
+        assert sorted(test[tag]) == sorted(baseline[tag]), tag
+        for step, value in baseline[tag].items():
+            assert test[tag][step] == pytest.approx(value, rel=1e-4, abs=1e-6), (tag, step)
+    # Premises: step 1 trained the critic alone, clipping acted, the policy and critic moved after.
+    assert baseline["grad_norm"][1] == 0 and baseline["critic/grad_norm"][1] > 0
+    assert max(baseline["critic/vf_clipfrac"].values()) > 0
+    assert min(baseline["grad_norm"][step] for step in (2, 3)) > 0
 
 
 # ------------------------------------------------------------------ the rollout dump

@@ -115,6 +115,19 @@ def test_moe_settings():
     "argv, fragments",
     [
         (["--moe.aux_loss_coef", "0.01"], ["moe.aux_loss_coef", "model.flavor='debugmodel' has no experts"]),
+        (
+            [
+                "--job.recipe",
+                "grpo",
+                "--loss.loss_fn",
+                "ppo",
+                "--rl.advantage",
+                "gae",
+                "--model.flavor",
+                "debugmodel_moe",
+            ],
+            ["rl.advantage = 'gae' (its critic): a score model with mixture-of-experts layers is not supported"],
+        ),
         (["--model.flavor", "8B", "--moe.z_loss_coef", "0.001"], ["moe.z_loss_coef", "has no experts"]),
         (
             ["--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "2"],
@@ -240,7 +253,7 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
         ),
         (
             [*GRPO, "--rl.use_reference", "true"],
-            ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0"],
+            ["rl.use_reference: the reference model only serves", "loss.kl_coef > 0", "rl.kl_in_reward_coef > 0"],
         ),
         (
             [*GRPO, "--rl.proximal", "recompute"],
@@ -293,7 +306,27 @@ GRPO = ("--job.recipe", "grpo", "--loss.loss_fn", "ppo")
             [*GRPO, "--rl.prompts_per_step", "6", "--rl.num_minibatches", "4"],
             ["rl.prompts_per_step=6", "rl.num_minibatches=4"],
         ),
-        ([*GRPO, "--rl.group_size", "1"], ["rl.group_size: must be >= 2"]),
+        ([*GRPO, "--rl.group_size", "1"], ["rl.group_size = 1: rl.advantage = 'grpo'", "at least 2", "'gae'"]),
+        ([*GRPO, "--rl.gamma", "0.9"], ["rl.gamma: only used with rl.advantage = 'gae'"]),
+        ([*GRPO, "--critic.lr", "1e-4"], ["critic.lr: only used with job.recipe = 'grpo' and rl.advantage = 'gae'"]),
+        (["--loss.value_clip", "0.5"], ["loss.value_clip: only used with job.recipe = 'grpo' and rl.advantage"]),
+        (
+            [*GRPO, "--rl.advantage", "gae", "--rl.kl_in_reward_coef", "0.1"],
+            ["rl.kl_in_reward_coef: the KL penalty needs the reference model", "rl.use_reference = true"],
+        ),
+        (
+            [*GRPO, "--rl.advantage", "gae", "--rl.dynamic_sampling", "true"],
+            ["rl.dynamic_sampling: drops groups whose rewards are all equal", "set it to false"],
+        ),
+        (
+            [*GRPO, "--rl.advantage", "gae", "--critic.warmup_steps", "10", "--training.steps", "10"],
+            ["critic.warmup_steps=10: the policy would never train in training.steps=10"],
+        ),
+        (
+            [*GRPO, "--rl.advantage", "gae", "--model.name", "vlm", "--model.flavor", "debugmodel"],
+            ["rl.advantage = 'gae': the critic is a qwen3 text model; model.name = 'vlm'"],
+        ),
+        ([*GRPO, "--rl.advantage", "gae", "--rl.gamma", "1.5"], ["rl.gamma: must be <= 1"]),
         ([*GRPO, "--generation.temperature", "0"], ["generation.temperature: must be > 0"]),
         (
             [*GRPO, "--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_model_only", "false"],
@@ -330,6 +363,20 @@ def test_grpo_recipes_parse():
     recipes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "train_configs")
     cfg = parse("--job.config_file", os.path.join(recipes, "debug_grpo.toml"))
     assert cfg.job.recipe == "grpo" and cfg.rl.group_size == 16
+    cfg = parse("--job.config_file", os.path.join(recipes, "debug_ppo.toml"))
+    assert (cfg.rl.advantage, cfg.rl.group_size, cfg.critic.warmup_steps) == ("gae", 4, 5)
+    cfg = parse(
+        *GRPO,
+        "--rl.advantage",
+        "gae",
+        "--rl.group_size",
+        "1",
+        "--rl.use_reference",
+        "true",
+        "--rl.kl_in_reward_coef",
+        "0.05",
+    )
+    assert (cfg.rl.group_size, cfg.rl.kl_in_reward_coef, cfg.loss.kl_coef) == (1, 0.05, 0.0)
     cfg = parse("--job.config_file", os.path.join(recipes, "qwen_grpo.toml"))
     assert cfg.rl.use_reference and cfg.loss.kl_coef > 0 and cfg.generation.dtype == "bfloat16"
     cfg = parse(

@@ -377,6 +377,11 @@ class Loss:
     """Coefficient of the entropy bonus: the loss gets -entropy_coef * H_t per token
     (weighted like the policy term). Negative values penalize entropy."""
 
+    value_clip: float = bounded(0.0, ge=0)
+    """rl.advantage = "gae": clip the critic's new values to old_value ± value_clip in the value
+    loss max((V - R)^2, (clip(V) - R)^2) / 2, with old_value the critic's value when the rollouts
+    were scored (verl's cliprange_value, default 0.5 there); 0 disables clipping."""
+
 
 @dataclass
 class MoE:
@@ -541,16 +546,34 @@ class RL:
     """Reward added when the completion ends with a stop token (not cut at
     generation.max_new_tokens)."""
 
-    group_size: int = bounded(8, ge=2)
-    """Completions sampled per prompt; the group is the advantage's baseline."""
+    group_size: int = bounded(8, ge=1)
+    """Completions sampled per prompt; the group is the advantage's baseline (at least 2),
+    except under rl.advantage = "gae", where the critic is and 1 is allowed."""
 
     prompts_per_step: int = bounded(16, ge=1)
     """Prompts per RL step over all ranks (the rollout batch is prompts_per_step * group_size
     completions); divisible by rl.num_minibatches times the data-parallel degree."""
 
-    advantage: Literal["grpo", "dr_grpo", "rloo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "gae"] = "grpo"
     """grpo: group z-score (r - mean) / (std + eps), Bessel std. dr_grpo: r - mean (Dr. GRPO).
-    rloo: r minus the mean of the group's other samples."""
+    rloo: r minus the mean of the group's other samples. gae: PPO with a learned critic
+    ([critic]): per-token advantages by generalized advantage estimation (rl.gamma, rl.lam)
+    over each rollout's sampled tokens, from the critic's values and the reward on the last
+    sampled token, whitened over the step's rollouts; the critic learns the returns in the same
+    step. Dense text qwen3 models only."""
+
+    gamma: float = bounded(1.0, ge=0, le=1)
+    """rl.advantage = "gae": the discount per sampled token (observation tokens of an episode
+    take no step)."""
+
+    lam: float = bounded(1.0, ge=0, le=1)
+    """rl.advantage = "gae": GAE's lambda (1: Monte-Carlo returns minus the values; 0: one-step
+    temporal differences)."""
+
+    kl_in_reward_coef: float = bounded(0.0, ge=0)
+    """rl.advantage = "gae": subtract this times log p_sampler - log p_ref (per sampled token,
+    k1) from each token's reward, verl's use_kl_in_reward; needs rl.use_reference = true. 0
+    disables it (loss.kl_coef is the KL term in the loss instead)."""
 
     advantage_eps: float = bounded(1e-6, gt=0)
     """The eps of grpo's (r - mean) / (std + eps)."""
@@ -793,6 +816,45 @@ class Preference:
 
 
 @dataclass
+class Critic:
+    """PPO's value model (rl.advantage = "gae"): the policy's architecture with a scalar head per
+    token, trained in every RL step on the policy's meshes with its own AdamW (optimizer.beta1,
+    beta2, eps and implementation, and lr_scheduler's decay are shared with the policy)."""
+
+    lr: float = bounded(1e-5, gt=0)
+    """The critic's peak learning rate."""
+
+    lr_warmup_steps: int = bounded(0, ge=0)
+    """Linear learning-rate warm-up of the critic, in its optimizer steps."""
+
+    weight_decay: float = bounded(0.0, ge=0)
+    """The critic's AdamW weight decay."""
+
+    max_norm: float = bounded(1.0, gt=0)
+    """Clip the critic's gradient to this global norm (logged before clipping as critic/grad_norm)."""
+
+    value_coef: float = bounded(1.0, gt=0)
+    """Factor of the value loss (it scales the critic's gradient only; the policy is apart)."""
+
+    warmup_steps: int = bounded(0, ge=0)
+    """The first this many RL steps train the critic only: the policy does not move until its
+    baseline has learned something (verl's critic_warmup). Below training.steps."""
+
+    lora: bool = False
+    """Train the critic as LoRA adapters with [lora]'s settings (needs lora.enable) plus its value
+    head, on a frozen base; false trains the whole critic. Its checkpoints hold the whole critic;
+    its Hugging Face export is the merged model."""
+
+    initial_load_path: str = ""
+    """A Hugging Face directory the critic starts from: a Qwen3ForTokenClassification with one
+    label (the critic this recipe exports at the last save with checkpoint.last_save_in_hf, in
+    <step>/critic), a Qwen3ForSequenceClassification reward model (its head, bias 0), or a
+    language model (its body, a fresh head); of the policy's architecture. "" starts from the
+    policy's starting weights (after rl.sft_warmup_steps, or checkpoint.initial_load_path) with
+    a fresh head."""
+
+
+@dataclass
 class Metrics:
     """Logging."""
 
@@ -937,6 +999,7 @@ class JobConfig:
     generation: Generation = field(default_factory=Generation)
     service: Service = field(default_factory=Service)
     preference: Preference = field(default_factory=Preference)
+    critic: Critic = field(default_factory=Critic)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

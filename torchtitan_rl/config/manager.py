@@ -185,7 +185,9 @@ def _did_you_mean(name: str, candidates: list[str]) -> str:
     # Within the same section only the leaf is compared: a shared "training." prefix would
     # otherwise make unrelated keys look alike.
     section, _, leaf = name.rpartition(".")
-    by_leaf = {c.rpartition(".")[2]: c for c in candidates}
+    by_leaf = {}
+    for c in candidates:  # a leaf of several sections: the first, e.g. optimizer.lr before critic.lr
+        by_leaf.setdefault(c.rpartition(".")[2], c)
     same_section = {c.rpartition(".")[2]: c for c in candidates if c.rpartition(".")[0] == section}
     close = (
         ([by_leaf[leaf]] if leaf in by_leaf else [])

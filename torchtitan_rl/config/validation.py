@@ -95,6 +95,11 @@ def non_default_keys(section) -> list[str]:
 
 def _check_recipe(cfg) -> None:
     """Fail closed on keys the chosen recipe ignores, and on impossible GRPO combinations."""
+    if not (cfg.job.recipe == "grpo" and cfg.rl.advantage == "gae"):
+        unused = [f"critic.{key}" for key in non_default_keys(cfg.critic)]
+        unused += ["loss.value_clip"] if "value_clip" in non_default_keys(cfg.loss) else []
+        if unused:
+            raise ValueError(f"{unused[0]}: only used with job.recipe = 'grpo' and rl.advantage = 'gae' (the critic)")
     if cfg.job.recipe != "service" and non_default_keys(cfg.service):
         raise ValueError(f"service.{non_default_keys(cfg.service)[0]}: only used with job.recipe = 'service'")
     if cfg.job.recipe != "dpo":
@@ -139,8 +144,14 @@ def _check_recipe(cfg) -> None:
         )
     if loss.kl_coef > 0 and not rl.use_reference:
         raise ValueError("loss.kl_coef: the KL penalty needs the reference model; set rl.use_reference = true")
-    if rl.use_reference and loss.kl_coef == 0:
-        raise ValueError("rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0")
+    if rl.kl_in_reward_coef > 0 and not rl.use_reference:
+        raise ValueError("rl.kl_in_reward_coef: the KL penalty needs the reference model; set rl.use_reference = true")
+    if rl.use_reference and loss.kl_coef == 0 and rl.kl_in_reward_coef == 0:
+        raise ValueError(
+            "rl.use_reference: the reference model only serves the KL penalty; set loss.kl_coef > 0 (or, with "
+            "rl.advantage = 'gae', rl.kl_in_reward_coef > 0)"
+        )
+    _check_advantage(cfg)
     one_update = rl.ppo_epochs == 1 and rl.num_minibatches == 1 and rl.max_staleness == 0
     if rl.proximal == "recompute" and one_update and rl.rollout_correction == "none":
         raise ValueError(
@@ -252,6 +263,39 @@ def _check_rollout_correction(rl) -> None:
         raise ValueError(
             f"rl.rollout_correction_min={rl.rollout_correction_min} must be below "
             f"rl.rollout_correction_max={rl.rollout_correction_max}"
+        )
+
+
+_GAE_RL_KEYS = ("gamma", "lam", "kl_in_reward_coef")
+
+
+def _check_advantage(cfg) -> None:
+    """Group baselines need groups; the critic (rl.advantage = "gae") replaces them."""
+    rl = cfg.rl
+    if rl.advantage != "gae":
+        unused = [key for key in _GAE_RL_KEYS if key in non_default_keys(rl)]
+        if unused:
+            raise ValueError(f"rl.{unused[0]}: only used with rl.advantage = 'gae' (PPO with a learned critic)")
+        if rl.group_size < 2:
+            raise ValueError(
+                f"rl.group_size = {rl.group_size}: rl.advantage = {rl.advantage!r} takes its baseline from the "
+                "prompt's group, which needs at least 2 completions (or use rl.advantage = 'gae', a learned critic)"
+            )
+        return
+    for key in ("filter_zero_variance_groups", "dynamic_sampling"):
+        if getattr(rl, key):
+            raise ValueError(
+                f"rl.{key}: drops groups whose rewards are all equal, but under rl.advantage = 'gae' the critic's "
+                "values give such rollouts a signal too; set it to false"
+            )
+    if cfg.model.name != "qwen3":
+        raise ValueError(f"rl.advantage = 'gae': the critic is a qwen3 text model; model.name = {cfg.model.name!r}")
+    if cfg.critic.lora and not cfg.lora.enable:
+        raise ValueError("critic.lora: trains adapters with [lora]'s settings; set lora.enable = true")
+    if cfg.critic.warmup_steps >= cfg.training.steps:
+        raise ValueError(
+            f"critic.warmup_steps={cfg.critic.warmup_steps}: the policy would never train in "
+            f"training.steps={cfg.training.steps}; set it below training.steps"
         )
 
 

@@ -41,6 +41,16 @@ def check_model_settings(cfg, model_args) -> None:
 
 def _check_moe(cfg, model_args, source: str) -> None:
     is_moe = model_args.is_moe
+    score_model = {"reward_model": "job.recipe = 'reward_model'"}.get(cfg.job.recipe)
+    if cfg.job.recipe == "grpo" and cfg.rl.advantage == "gae":
+        score_model = "rl.advantage = 'gae' (its critic)"
+    if is_moe and score_model:
+        # A score head's engine has no router losses (engine_scores.ScoreEngine).
+        model = source or f"model.flavor={cfg.model.flavor!r}"
+        raise ValueError(
+            f"{score_model}: a score model with mixture-of-experts layers is not supported ({model}); "
+            "use a dense flavor"
+        )
     ep = cfg.parallelism.expert_parallel_degree
     if ep > 1 and not is_moe:
         model = f"{source} describes a dense model" if source else f"model.flavor={cfg.model.flavor!r} is dense"

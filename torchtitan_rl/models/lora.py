@@ -99,7 +99,7 @@ def adapted_module_name(fqn: str) -> str:
 def add_adapters(model: nn.Module, settings: LoRASettings, lora_targets: dict[str, str]) -> list[str]:
     """Replace the linear layers that ``settings.target_modules`` names by ``LoRALinear`` (same
     base parameters), freeze everything but the adapters (and the input embedding with
-    ``train_embeddings``), and return the adapted modules' names in order.
+    ``train_embeddings``, and a score head), and return the adapted modules' names in order.
 
     ``lora_targets``: the family's target names -> a regular expression matching the full names
     of the modules each one adapts. Call on the meta device, before any parallelism or wrapper.
@@ -138,6 +138,9 @@ def add_adapters(model: nn.Module, settings: LoRASettings, lora_targets: dict[st
         setattr(parent, child, adapted)
     if settings.train_embeddings:
         model.tok_embeddings.weight.requires_grad_(True)
+    if getattr(args, "score_head", False):
+        # A score head (a critic's) is new: there is no base for adapters to adapt, so it trains.
+        model.score.requires_grad_(True)
     return [name for name, _ in targets]
 
 

@@ -414,10 +414,14 @@ class Recipe(ABC):
         self.checkpointer: CheckpointManager | None = None
 
     def build_checkpointer(
-        self, dataloader, extra_models: dict | None = None, extra_states: dict | None = None
+        self,
+        dataloader,
+        extra_models: dict | None = None,
+        extra_states: dict | None = None,
+        extra_engines: dict | None = None,
     ) -> CheckpointManager:
-        """Checkpoints of the engine's state, ``dataloader``'s position, ``extra_models`` and
-        ``extra_states``. A Hugging Face export writes the run's tokenizer and stops generating at
+        """Checkpoints of the engine's state, ``dataloader``'s position, ``extra_models``,
+        ``extra_states`` and ``extra_engines`` (see ``CheckpointManager``). A Hugging Face export writes the run's tokenizer and stops generating at
         ``generation.stop_tokens`` (which only GRPO runs may set: an SFT run's are the defaults,
         special tokens of every tokenizer)."""
         stop_tokens, tokenizer_dir = self.job_config.generation.stop_tokens, self.job_config.model.hf_assets_path
@@ -433,6 +437,7 @@ class Recipe(ABC):
             export_tokenizer=ExportTokenizer.for_run(self.tokenizer, tokenizer_dir, stop_tokens),
             extra_models=extra_models,
             extra_states=extra_states,
+            extra_engines=extra_engines,
             process_group=self.parallel_dims.trainer_group(),
             lora=lora_settings(self.job_config),
             export_merged=self.job_config.lora.export_merged,

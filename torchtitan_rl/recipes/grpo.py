@@ -9,7 +9,9 @@ step has enough groups with signal); with ``training.balance_dp_compute`` (the d
 samples between data-parallel ranks so each mini-batch's work is even; optionally recompute the policy's
 log-probs before the update (the proximal policy, kept apart from the sampler's) with the
 rollout correction's weights, unless the update's own forward provides them (``rl.proximal``),
-and the reference's (KL); then ``ppo_epochs`` passes of ``num_minibatches`` optimizer steps.
+and the reference's (KL); with a critic (``rl.advantage = "gae"``, ``recipes.critic``) the
+per-token advantages and value targets from its values; then ``ppo_epochs`` passes of
+``num_minibatches`` optimizer steps (of the critic's too).
 With LoRA the reference is the policy's own model with its adapters off (no second copy of the
 weights), and weight syncs after the first carry only the adapters.
 The trainer knows prompts, groups and mini-batches; the engine knows micro-batches, meshes
@@ -36,6 +38,7 @@ from torchtitan_rl.recipes.base import (
     RunContext,
     start_run,
 )
+from torchtitan_rl.recipes.critic import CRITIC_FOLDER, Critic
 from torchtitan_rl.recipes.grpo_data import (
     build_generator,
     build_reward_model,
@@ -110,11 +113,15 @@ class GRPORecipe(Recipe):
         self.task, self.train_prompts, self.eval_prompts = data.task, data.train_prompts, data.eval_prompts
         self.env_class = data.env_class
         self.vision, self.eval_images = data.vision, data.eval_images
+        # The policy does not step in the critic's warm-up steps.
+        policy_steps = job_config.training.steps - (job_config.critic.warmup_steps if rl.advantage == "gae" else 0)
         super().__init__(
             run,
-            num_optimizer_steps=job_config.training.steps * rl.ppo_epochs * rl.num_minibatches,
+            num_optimizer_steps=policy_steps * rl.ppo_epochs * rl.num_minibatches,
             temperature=generation.temperature,
         )
+        num_updates = job_config.training.steps * rl.ppo_epochs * rl.num_minibatches
+        self.critic = Critic(self, num_updates) if rl.advantage == "gae" else None
         dims = self.parallel_dims
         self.rollout_client = None
         if dims.num_rollout_ranks:
@@ -161,7 +168,8 @@ class GRPORecipe(Recipe):
         self.reference = ReferencePolicy(self, _REFERENCE_REMEDY) if rl.use_reference else None
         extra = self.reference.checkpointed() if self.reference is not None else None
         rollouts = {"rollouts": self.rollout_client} if self.rollout_client is not None else None
-        self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts)
+        critic = {CRITIC_FOLDER: self.critic.engine} if self.critic is not None else None
+        self.checkpointer = self.build_checkpointer(self.stream, extra, rollouts, critic)
         self.rollout_log = RolloutLog(job_config, self.tokenizer, dims, self.rank, self.metrics.writer)
 
     def setup(self) -> bool:
@@ -181,6 +189,8 @@ class GRPORecipe(Recipe):
                 self._sft_warmup()
             if self.reference is not None:
                 self.reference.start()
+            if self.critic is not None:
+                self.critic.start()
         self.rollout_log.start(self.train_state.step)
         if self.rollout_client is not None:
             sent = self.rollout_client.start(self.engine.model, self.train_state.step, self.stream.state_dict())
@@ -384,9 +394,16 @@ class GRPORecipe(Recipe):
             if self.correction.mode != "none":
                 values.update(apply_rollout_correction(all_samples, self.correction, dims.mesh("batch")))
 
+        if self.critic is not None:
+            with timed(times, "critic_values"):
+                values.update(self.critic.set_targets(all_samples))
+
         with timed(times, "train"):
-            updates, terms, num_trained, logprobs = self._update(minibatches)
+            updates, terms, num_trained, logprobs, critic_updates = self._update(
+                minibatches, train_policy=self.critic is None or step > cfg.critic.warmup_steps
+            )
         values.update(combine_updates(updates) or self._no_update_values())
+        values.update(combine_updates(critic_updates))
         if terms:
             merged = LossMetrics.combine(terms).reduce(dims.mesh("loss"))
             values.update({tag: float(value) for tag, value in merged.items()})
@@ -473,30 +490,36 @@ class GRPORecipe(Recipe):
         return float(tokens[0]) / dims.world_size / max(float(slowest[0]), 1e-9)
 
     def _update(
-        self, minibatches: list[list[Sample]]
-    ) -> tuple[list[dict[str, float]], list[LossMetrics], int, list[torch.Tensor] | None]:
-        """``ppo_epochs`` passes of one optimizer step per mini-batch; a mini-batch that is empty
+        self, minibatches: list[list[Sample]], train_policy: bool = True
+    ) -> tuple[list[dict[str, float]], list[LossMetrics], int, list[torch.Tensor] | None, list[dict[str, float]]]:
+        """``ppo_epochs`` passes of one optimizer step per mini-batch (of the critic too, when
+        there is one; of the critic alone without ``train_policy``); a mini-batch that is empty
         on every rank (all its groups filtered) is skipped, not stepped with a zero gradient.
         With the current policy as pi_prox (one mini-batch, one epoch) also the update's own
-        log-probs of the samples, detached (None when the mini-batch was skipped)."""
+        log-probs of the samples, detached (None when the mini-batch was skipped). Last, the
+        critic's values of each of its steps."""
         rl = self.job_config.rl
         counts = torch.tensor([len(mb) for mb in minibatches], dtype=torch.int64)
         batch = self.parallel_dims.mesh("batch")
         if batch is not None:
             dist.all_reduce(counts, group=batch.get_group())
-        updates, terms, num_trained, logprobs = [], [], 0, None
+        updates, terms, num_trained, logprobs, critic_updates = [], [], 0, None, []
         with_logprobs = self.proximal == "current"
         assert not with_logprobs or (rl.ppo_epochs == 1 and len(minibatches) == 1), "pi_prox is the current policy"
         for _ in range(rl.ppo_epochs):
             for samples, count in zip(minibatches, counts.tolist()):
                 if count == 0:
                     continue
+                if self.critic is not None:
+                    critic_updates.append(self.critic.update(samples))
+                if not train_policy:
+                    continue
                 fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options, with_logprobs)
                 updates.append(self.metrics.reduce_update(fb, self.engine.optim_step(), with_terms=False))
                 terms.append(fb.terms)
                 num_trained += int(fb.counts[NUM_TOKENS])
                 logprobs = fb.logprobs
-        return updates, terms, num_trained, logprobs
+        return updates, terms, num_trained, logprobs, critic_updates
 
     def _no_update_values(self) -> dict[str, float]:
         return {

@@ -140,10 +140,15 @@ class ScoredGroup:
 def score_groups(
     rollouts: list[Rollout], rewards: list[Reward], group_size: int, estimator: str, eps: float
 ) -> list[ScoredGroup]:
-    """Group ``rollouts`` (ordered by prompt, then sample) and compute their advantages."""
-    totals = torch.tensor([r.total for r in rewards], dtype=torch.float64)
-    group_ids = torch.tensor([r.prompt_index for r in rollouts])
-    advantages = group_advantages(totals, group_ids, estimator, eps).tolist()
+    """Group ``rollouts`` (ordered by prompt, then sample) and compute their advantages (0 under
+    ``gae``, whose advantages are per token)."""
+    if estimator == "gae":
+        # Per-token advantages come later, from the critic's values (``rl.gae``).
+        advantages = [0.0] * len(rollouts)
+    else:
+        totals = torch.tensor([r.total for r in rewards], dtype=torch.float64)
+        group_ids = torch.tensor([r.prompt_index for r in rollouts])
+        advantages = group_advantages(totals, group_ids, estimator, eps).tolist()
     return [
         ScoredGroup(
             rollouts[i].prompt_index,

@@ -17,6 +17,11 @@ def length_and_stop(problem, completion, stopped):
     return {"short": float(len(completion) <= 3), "stopped": stopped}
 
 
+def byte_sum_parity(problem, completion, stopped):
+    """A reward that differs between a random policy's completions."""
+    return float(sum(completion.encode()) % 2)
+
+
 def raises(problem, completion, stopped):
     return 1 / 0
 
