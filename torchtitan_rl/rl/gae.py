@@ -107,12 +107,15 @@ def whiten(
     global batch: the statistics are reduced over ``batch_mesh`` (the data-parallel ranks; CP /
     TP peers hold copies and are not summed), so they are the same under every layout. The
     variance is Bessel-corrected and ``eps`` is added under the root (verl's ``masked_whiten``);
-    positions that are not loss tokens stay 0."""
+    positions that are not loss tokens stay 0, and so does everything when the global batch has
+    fewer than 2 loss tokens."""
     _check("advantages", advantages, loss_mask.numel())
     mask = loss_mask.bool()
     count, mean, variance = global_moments(advantages.double()[mask], batch_mesh)
     if count < 2:
-        raise ValueError(f"whitening needs at least 2 loss tokens in the global batch, got {count}")
+        # No spread to scale by (e.g. every rollout of the step masked by rl.mask_truncated):
+        # the step trains nothing on its advantages.
+        return torch.zeros(advantages.shape, dtype=torch.float64)
     variance *= count / (count - 1)
     return torch.where(mask, (advantages.double() - mean) / (variance + eps) ** 0.5, 0.0)
 
