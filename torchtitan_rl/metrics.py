@@ -26,8 +26,8 @@ _STDOUT_RL = (
     "logprob_diff_max",
 )
 
-# The preference recipe's values, and PPO's critic's, the stdout line shows.
-_STDOUT_PREFERENCE = ("rewards/accuracies", "rewards/margins", "critic/vf_loss", "critic/vf_explained_var")
+# Other recipes' values the stdout line shows (preference learning, PPO's critic).
+_STDOUT_OTHER = ("rewards/accuracies", "rewards/margins", "critic/vf_loss", "critic/vf_explained_var")
 
 # Dense bf16 peak FLOP/s; MFU is only reported for devices listed here.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -201,7 +201,7 @@ class MetricsLogger:
         if self.rank == 0:
             rl = "".join(f"  {name}: {values['rl/' + name]:.4g}" for name in _STDOUT_RL if "rl/" + name in values)
             rl += "".join(f"  {tag[4:]}: {values[tag]:.4g}" for tag in ("moe/aux_loss", "moe/z_loss") if tag in values)
-            rl += "".join(f"  {tag.split('/')[1]}: {values[tag]:.4g}" for tag in _STDOUT_PREFERENCE if tag in values)
+            rl += "".join(f"  {tag.split('/')[1]}: {values[tag]:.4g}" for tag in _STDOUT_OTHER if tag in values)
             logger.info(
                 "step: %d  loss: %.5f  max_loss: %.4f  grad_norm: %.4f  lr: %.3e  tps: %.0f  memory: %.2fGiB%s%s",
                 step,

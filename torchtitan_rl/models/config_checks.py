@@ -41,8 +41,10 @@ def check_model_settings(cfg, model_args) -> None:
 
 def _check_moe(cfg, model_args, source: str) -> None:
     is_moe = model_args.is_moe
-    score_model = {"reward_model": "job.recipe = 'reward_model'"}.get(cfg.job.recipe)
-    if cfg.job.recipe == "grpo" and cfg.rl.advantage == "gae":
+    score_model = None  # the key that asks for a model with a score head
+    if cfg.job.recipe == "reward_model":
+        score_model = "job.recipe = 'reward_model'"
+    elif cfg.job.recipe == "grpo" and cfg.rl.advantage == "gae":
         score_model = "rl.advantage = 'gae' (its critic)"
     if is_moe and score_model:
         # A score head's engine has no router losses (engine_scores.ScoreEngine).

@@ -421,9 +421,9 @@ class Recipe(ABC):
         extra_engines: dict | None = None,
     ) -> CheckpointManager:
         """Checkpoints of the engine's state, ``dataloader``'s position, ``extra_models``,
-        ``extra_states`` and ``extra_engines`` (see ``CheckpointManager``). A Hugging Face export writes the run's tokenizer and stops generating at
-        ``generation.stop_tokens`` (which only GRPO runs may set: an SFT run's are the defaults,
-        special tokens of every tokenizer)."""
+        ``extra_states`` and ``extra_engines`` (see ``CheckpointManager``). A Hugging Face export
+        writes the run's tokenizer and stops generating at ``generation.stop_tokens`` (which only
+        GRPO runs may set: an SFT run's are the defaults, special tokens of every tokenizer)."""
         stop_tokens, tokenizer_dir = self.job_config.generation.stop_tokens, self.job_config.model.hf_assets_path
         return CheckpointManager(
             self.job_config.checkpoint,

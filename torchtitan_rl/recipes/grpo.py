@@ -113,8 +113,8 @@ class GRPORecipe(Recipe):
         self.task, self.train_prompts, self.eval_prompts = data.task, data.train_prompts, data.eval_prompts
         self.env_class = data.env_class
         self.vision, self.eval_images = data.vision, data.eval_images
-        # The policy does not step in the critic's warm-up steps.
-        policy_steps = job_config.training.steps - (job_config.critic.warmup_steps if rl.advantage == "gae" else 0)
+        # The policy does not step in the critic's warm-up steps (0 without a critic).
+        policy_steps = job_config.training.steps - job_config.critic.warmup_steps
         super().__init__(
             run,
             num_optimizer_steps=policy_steps * rl.ppo_epochs * rl.num_minibatches,
@@ -400,7 +400,7 @@ class GRPORecipe(Recipe):
 
         with timed(times, "train"):
             updates, terms, num_trained, logprobs, critic_updates = self._update(
-                minibatches, train_policy=self.critic is None or step > cfg.critic.warmup_steps
+                minibatches, train_policy=step > cfg.critic.warmup_steps
             )
         values.update(combine_updates(updates) or self._no_update_values())
         values.update(combine_updates(critic_updates))
