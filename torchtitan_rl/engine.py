@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, plan_microbatches
+from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, plan_microbatches, spread_microbatches
 from torchtitan_rl.data.cp_split import shard_microbatch
 from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, padding_microbatch
 from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
@@ -102,9 +102,15 @@ class EngineOptions:
     max_patches_per_microbatch: int = 0
     # MoE models: their router losses (None: a dense model).
     router: RouterLossConfig | None = None
+    # Split a rank's samples into at least this many micro-batches when they have enough
+    # samples (pipeline parallel: the stages work on different micro-batches at once).
+    min_microbatches: int = 1
 
 
 class Engine:
+    # Whether a loss's backward may run twice (zero-bubble pipeline schedules, ``engine_pipeline``).
+    backward_twice = False
+
     def __init__(
         self,
         model: nn.Module,
@@ -162,6 +168,7 @@ class Engine:
                 )
             except ValueError as err:
                 problem = str(err)
+            plan = spread_microbatches(plan, [len(s) for s in samples], options.min_microbatches)
         if problem is not None:
             nothing = torch.zeros(0, dtype=torch.long)
             return PreparedBatch(inputs, len(samples), problem, [], [], [], [], 0, nothing, 0, nothing, nothing.float())
@@ -174,9 +181,6 @@ class Engine:
             # inside the forward, without a host sync.
             backend = self.model.args.attn_backend
             attention = [build_attention_context(backend, mb.seq_ids, mb.positions) for mb in shares]
-        offsets = [0]
-        for mb in shares:
-            offsets.append(offsets[-1] + mb.num_seqs)
         return PreparedBatch(
             inputs,
             len(samples),
@@ -187,11 +191,7 @@ class Engine:
             attention,
             num_groups,
             local_counts(whole, num_groups),
-            num_seq_slots=offsets[-1],
-            seq_slots=torch.cat(
-                [torch.zeros(0, dtype=torch.long), *(mb.seq_ids + o for mb, o in zip(shares, offsets))]
-            ),
-            loss_token_mask=torch.cat([torch.zeros(0), *(mb.loss_mask.float() for mb in shares)]),
+            *sequence_slots(shares),
         )
 
     def _pad_multiple(self) -> int:
@@ -314,24 +314,7 @@ class Engine:
                 self.model.set_requires_gradient_sync(i == len(microbatches) - 1)
             with self._autocast():
                 hidden, router_stats = self._hidden(mb, attention)
-                mb = microbatches[i] = self._sequence_inputs(mb, hidden, loss)
-
-                def loss_of_chunk(start, end, logprobs, entropy, mb=mb, weights=mb_weights):
-                    chunk = mb.map_tokens(lambda t: t[start:end])
-                    return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
-
-                # The loss and its gradient with respect to the hidden states and output weight,
-                # chunk by chunk; backward through the model starts from there.
-                value, logprobs, entropy = token_loss(
-                    hidden,
-                    effective_weight(self.model.output),
-                    mb.labels,
-                    self.options.logits_chunk_size,
-                    loss_of_chunk,
-                    with_entropy=loss.needs_entropy,
-                    entropy_grad=loss.options["entropy_coef"] != 0,
-                    **self._logprob_options(),
-                )
+                microbatches[i], value, logprobs, entropy = self._microbatch_loss(mb, mb_weights, hidden, loss)
             objective = value
             if router_stats is not None:
                 aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
@@ -342,6 +325,35 @@ class Engine:
             values.append(value.detach())
             outputs.append((logprobs, entropy))
             del objective, value, hidden, router_stats
+        fb = self._step_metrics(batch, loss, microbatches, weights, values, outputs, counts, with_logprobs)
+        return replace(fb, router=router_metrics)
+
+    def _microbatch_loss(self, mb: MicroBatch, weights: torch.Tensor, hidden: torch.Tensor, loss):
+        """``(mb with its sequence inputs, Σ_t w_t ℓ_t, log-probs, entropies)`` of one device-resident
+        micro-batch from its final hidden states: the loss and its gradient with respect to the
+        hidden states and output weight, chunk by chunk; backward through the model starts from there."""
+        mb = self._sequence_inputs(mb, hidden, loss)
+
+        def loss_of_chunk(start, end, logprobs, entropy):
+            chunk = mb.map_tokens(lambda t: t[start:end])
+            return weighted_loss(loss, token_terms(loss, logprobs, entropy, chunk), weights[start:end])
+
+        value, logprobs, entropy = token_loss(
+            hidden,
+            effective_weight(self.model.output),
+            mb.labels,
+            self.options.logits_chunk_size,
+            loss_of_chunk,
+            with_entropy=loss.needs_entropy,
+            entropy_grad=loss.options["entropy_coef"] != 0,
+            backward_twice=self.backward_twice,
+            **self._logprob_options(),
+        )
+        return mb, value, logprobs, entropy
+
+    def _step_metrics(self, batch, loss, microbatches, weights, values, outputs, counts, with_logprobs) -> dict:
+        """``ForwardBackwardMetrics`` (without router metrics) from the micro-batches' losses and
+        per-token outputs."""
         metrics, token_losses = LossMetrics(), []
         for mb, mb_weights, (logprobs, entropy) in zip(microbatches, weights, outputs):
             terms = token_terms(loss, logprobs, entropy, mb)  # detached: for metrics
@@ -353,7 +365,6 @@ class Engine:
             max_seq_loss=self._max_sequence_mean_loss(batch, token_losses),
             counts=counts,
             terms=metrics,
-            router=router_metrics,
             logprobs=[values[:, 0] for values in self._per_sample(batch, [lp[:, None] for lp, _ in outputs])]
             if with_logprobs
             else None,
@@ -547,6 +558,10 @@ class Engine:
             packed.extend(values[: sum(mb.seq_lens)].cpu().split(mb.seq_lens))
         return [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
 
+    def num_params(self) -> int:
+        """The model's parameters (global sizes: a shard counts its whole parameter's)."""
+        return sum(p.numel() for p in self.model.parameters())
+
     def optim_step(self) -> dict[str, torch.Tensor | float]:
         grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm)
         lr = self.lr_scheduler.get_last_lr()[0]
@@ -554,6 +569,15 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr}
+
+
+def sequence_slots(shares: list[MicroBatch]) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``PreparedBatch``'s ``num_seq_slots``, ``seq_slots`` and ``loss_token_mask`` of ``shares``."""
+    offsets = [0]
+    for mb in shares:
+        offsets.append(offsets[-1] + mb.num_seqs)
+    slots = torch.cat([torch.zeros(0, dtype=torch.long), *(mb.seq_ids + o for mb, o in zip(shares, offsets))])
+    return offsets[-1], slots, torch.cat([torch.zeros(0), *(mb.loss_mask.float() for mb in shares)])
 
 
 def _loss_inputs(loss, reduction: str) -> tuple[str, ...]:

@@ -74,7 +74,8 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     its parallelize function). Not collective: each rank reads its own blocks independently. Values
     are cast to each parameter's dtype. Every parameter must be in the files with its shape,
     and every tensor in the files must belong to a parameter; otherwise ValueError naming the file.
-    LoRA adapters are not base weights: they are left as they are. A reward model (score head)
+    LoRA adapters are not base weights: they are left as they are. A model holding pipeline
+    stages (``recipes.base.build_model``) reads their tensors only. A reward model (score head)
     loads a language model's checkpoint too: its body, while its score head keeps its values
     and the LM head is not read.
     """
@@ -93,7 +94,14 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         # A reward model's: its head has no bias, which stays as initialized (0).
         bias = next(iter(to_hf({"score.bias": None})))
         params = {key: value for key, value in params.items() if key != bias}
-    _check_same_keys(params.keys(), files.keys(), unread_head, listing)
+    found = files.keys()
+    if getattr(model, "pipeline_stages", None) is not None:
+        # A pipeline rank reads its stages' tensors; the other stages' ranks check theirs.
+        with torch.device("meta"):
+            whole = spec_for_args(model.args).model_cls(model.args)
+        others = hf_sources(whole).keys() - hf_sources(model).keys()
+        found = [key for key in found if key not in others]
+    _check_same_keys(params.keys(), found, unread_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)
         for key, (param, index) in params.items():
@@ -163,16 +171,20 @@ def export_hf(
     tensors = sources(model)
     sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
     writers = {key: _writer(param, index) for key, (param, index) in tensors.items()}
+    sizes, writers = _agree_on_tensors(sizes, writers, rank, group)
     shards = _plan_shards(sizes, max_shard_bytes, writers)
     staging = _make_staging_dir(path) if rank == 0 else None
-    if any(writers.values()):
-        staging = _share(staging, group)  # expert parallel: every owner of experts writes their files
+    several_writers = len(set(writers.values())) > 1
+    if several_writers:
+        staging = _share(staging, group)  # every writer writes its own files into rank 0's folder
     try:
         for file_name, (writer, keys) in shards.items():
+            if keys[0] not in tensors:
+                continue  # another pipeline stage's parameters: its ranks gather and write them
             gathered = _gather(tensors, keys, dtype, keep=rank == writer)
             if rank == writer:
                 save_file(gathered, os.path.join(staging, file_name), metadata={"format": "pt"})
-        if any(writers.values()):
+        if several_writers:
             dist.barrier(group=group)  # every file is written before rank 0 completes the export
         if rank == 0:
             _write_metadata(staging, model.args, dtype, sum(sizes.values()), shards, tokenizer)
@@ -334,15 +346,34 @@ def _plan_shards(
     return {f"model-{i:05d}-of-{len(groups):05d}.safetensors": group for i, group in enumerate(groups, start=1)}
 
 
-def _writer(param: torch.Tensor, index: int | None) -> int:
+def _writer(param: torch.Tensor, index: int | None) -> int | None:
     """The global rank that writes the HF tensor: the owner of an expert under expert parallel
-    (the first of the ranks holding it), rank 0 for everything else."""
+    (the first of the ranks holding it); None for everything else, which the first rank holding
+    it writes (``_agree_on_tensors``)."""
     block = _expert_parallel_block(param)
     if index is None or block is None:
-        return 0
+        return None
     mesh, num_local = block
     owner = index // num_local
     return int(mesh.mesh[(0,) * (mesh.ndim - 1) + (owner,)])
+
+
+def _agree_on_tensors(
+    sizes: dict[str, int], writers: dict[str, int | None], rank: int, group: dist.ProcessGroup | None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Every HF tensor of the model with its size and writer, the same on every rank of ``group``
+    (collective): pipeline stages hold different parameters, and the first rank holding a tensor
+    writes it unless ``_writer`` named its owner."""
+    if not dist.is_initialized():
+        return sizes, {key: 0 if writer is None else writer for key, writer in writers.items()}
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (rank, sizes, writers), group=group)
+    all_sizes, all_writers = {}, {}
+    for holder, held_sizes, held_writers in sorted(everyone, key=lambda entry: entry[0]):
+        for key, size in held_sizes.items():
+            all_sizes.setdefault(key, size)
+            all_writers.setdefault(key, holder if held_writers[key] is None else held_writers[key])
+    return all_sizes, all_writers
 
 
 def _expert_parallel_block(param: torch.Tensor) -> tuple | None:

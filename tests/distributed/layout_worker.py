@@ -15,6 +15,7 @@ from critic_cases import run_critic_checks
 from generator_cases import run_generator_checks
 from lora_cases import run_lora_checks
 from moe_cases import run_moe_checks
+from pipeline_cases import run_pipeline_checks
 from preference_cases import run_preference_checks
 from proximal_cases import run_proximal_checks
 from reshard_cases import run_reshard_checks
@@ -430,6 +431,7 @@ def run_all_layouts(world_size: int) -> dict:
         run_reshard_checks(dims, results)  # on reshard_cases.RESHARD_LAYOUTS only
     run_rollout_rank_checks(world_size, results)  # 2 training + 2 rollout ranks, world 4 only
     run_rollout_timeout_checks(world_size, results)  # the same, waits against a 2 s silent-peer timeout
+    run_pipeline_checks(world_size, results)  # on pipeline_cases.PIPELINE_LAYOUTS only
     return results
 
 

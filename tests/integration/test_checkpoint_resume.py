@@ -111,8 +111,17 @@ def test_resume_on_same_layout_is_bit_identical(uninterrupted, tmp_path):
     [
         [],  # dp=4 (FSDP over 4 ranks)
         ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],  # dp=1, cp=2, tp=2
+        ["--parallelism.pipeline_parallel_degree", "2"],  # two pipeline stages, each FSDP over 2 ranks
+        [
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_schedule",
+            "GPipe",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ],
     ],
-    ids=["dp4", "cp2_tp2"],
+    ids=["dp4", "cp2_tp2", "pp2_dp2", "pp2_tp2"],
 )
 def test_resume_on_another_layout_continues(uninterrupted, tmp_path, layout):
     dump = stopped_after_step_3(uninterrupted, tmp_path / "other_layout")
@@ -124,6 +133,42 @@ def test_resume_on_another_layout_continues(uninterrupted, tmp_path, layout):
             assert resumed[tag][step] == pytest.approx(full[tag][step], rel=1e-4), (tag, step)
         for tag in ("tokens/loss_tokens", "tokens/total", "data/num_samples"):
             assert resumed[tag][step] == full[tag][step], (tag, step)
+
+
+HF_LAST = ["--checkpoint.last_save_in_hf", "true", "--checkpoint.last_save_model_only", "true"]
+
+
+def test_pipeline_run_trains_resumes_without_pipeline_and_exports_alike(uninterrupted, tmp_path):
+    """A pp2 run (one stage per rank) follows the data-parallel run's curve; stopped after step 3
+    it resumes on dp2 (no pipeline), and both end with the same Hugging Face export, whose
+    files the pipeline's two stages wrote."""
+    piped = tmp_path / "pp2"
+    check(run(piped, 2, "--parallelism.pipeline_parallel_degree", "2", *HF_LAST))
+    full, curve = read_scalars(str(uninterrupted / "tb")), read_scalars(str(piped / "tb"))
+    for step in range(1, STEPS + 1):
+        assert curve["loss_metrics/global_avg_loss"][step] == pytest.approx(
+            full["loss_metrics/global_avg_loss"][step], rel=1e-4
+        )
+        assert curve["grad_norm"][step] == pytest.approx(full["grad_norm"][step], rel=1e-4)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(piped, resumed)
+    shutil.rmtree(resumed / "checkpoint" / "step-6")
+    shutil.rmtree(resumed / "tb")
+    out = check(run(resumed, 2, *HF_LAST))
+    assert "resuming after step 3" in out
+    again = read_scalars(str(resumed / "tb"))
+    for step in (4, 5, 6):
+        assert again["loss_metrics/global_avg_loss"][step] == pytest.approx(
+            curve["loss_metrics/global_avg_loss"][step], rel=1e-4
+        )
+    exported = {}
+    for name, dump in (("pp2", piped), ("dp2", resumed)):
+        folder = dump / "checkpoint" / "step-6"
+        exported[name] = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert len(list((piped / "checkpoint" / "step-6").glob("*.safetensors"))) == 2  # one per stage
+    assert exported["pp2"].keys() == exported["dp2"].keys()
+    for key, tensor in exported["dp2"].items():
+        torch.testing.assert_close(exported["pp2"][key], tensor, rtol=1e-3, atol=1e-5, msg=key)
 
 
 def test_save_killed_midway_is_ignored_and_previous_checkpoint_loads(uninterrupted, tmp_path):

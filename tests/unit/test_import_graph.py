@@ -37,6 +37,7 @@ LAYERS = {
     f"{PACKAGE}.hf_checkpoint": 5,
     f"{PACKAGE}.peft_checkpoint": 6,
     f"{PACKAGE}.engine_scores": 6,  # a reward model's engine, built on the engine's packing and passes
+    f"{PACKAGE}.engine_pipeline": 6,  # the engine through pipeline stages
     f"{PACKAGE}.engine_values": 7,  # a critic's engine: the reward model's, read at every token
     f"{PACKAGE}.checkpoint": 7,
     # The Tinker-compatible service: its HTTP layer, the dispatch of operations, the clients.

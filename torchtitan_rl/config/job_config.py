@@ -147,6 +147,13 @@ class Training:
     """Token budget of one packed micro-batch. 0 puts the rank's whole share of the mini-batch
     in one micro-batch; otherwise it must be >= seq_len so any sequence fits."""
 
+    pipeline_microbatches: int = bounded(0, ge=0)
+    """Pipeline parallel: split each rank's share of a mini-batch into at least this many
+    micro-batches (fewer only when it has fewer samples), so that the stages have work at
+    once; the pipeline's idle share (bubble) is about (stages - 1) / (micro-batches + stages -
+    1) for 1F1B. 0: the number of pipeline stages. A step's micro-batches are padded to its
+    longest (stages exchange fixed-shape activations), so keep them of similar size."""
+
     max_patches_per_microbatch: int = bounded(0, ge=0)
     """vlm: vision-patch budget of one packed micro-batch (the images' patches, before the
     2x2 merge), bounding the vision tower's work and memory. 0 means no budget. A sample
@@ -237,6 +244,29 @@ class Parallelism:
     it must divide, as it must num_experts): a group takes tp ranks first, then cp, then
     dp_shard. The ranks holding the same experts FSDP-shard them. 1: no expert parallel, every
     rank computes every expert, FSDP-sharded over dp_shard * cp * tp."""
+
+    pipeline_parallel_degree: int = bounded(1, ge=1)
+    """Pipeline-parallel degree: the model's layers split into stages over this many ranks,
+    which pass hidden states (and their gradients) from stage to stage while working on
+    different micro-batches at once. The outermost mesh dim (across nodes first). SFT with a
+    dense text model; not yet with context or expert parallel, tied embeddings, rollout ranks
+    or the other recipes."""
+
+    pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
+    """The order in which the stages run the micro-batches' forward and backward passes
+    (torch.distributed.pipelining's schedules). GPipe: every forward, then every backward (all
+    micro-batches' activations alive at once). 1F1B: one forward, one backward once the
+    pipeline is full (activations of at most pp micro-batches per stage). Interleaved1F1B:
+    several smaller stages per rank, a smaller bubble for more point-to-point traffic.
+    InterleavedZeroBubble and ZBVZeroBubble (two stages per rank in a V): input and weight
+    gradients in separate passes that fill the bubble. See docs/parallelism.md."""
+
+    pipeline_layers_per_stage: int = bounded(0, ge=0)
+    """Layers per pipeline stage (the last stage takes what is left); the stages must number
+    pipeline_parallel_degree for GPipe and 1F1B, a multiple of it for the interleaved
+    schedules, twice it for ZBVZeroBubble. 0: one stage per rank (two per rank for the
+    multi-stage schedules) with the layers spread evenly, earlier stages taking one more when
+    they do not divide."""
 
     rollout_ranks: int = bounded(0, ge=0)
     """GRPO: reserve the last N ranks of the launch for generation (0 = colocated: every rank

@@ -48,6 +48,7 @@ def validate_job_config(cfg) -> None:
     _check_profiling(cfg)
     _check_checkpoint(cfg)
     _check_lora(cfg)
+    _check_pipeline(cfg)
     _check_compile(cfg)
     _check_recipe(cfg)
     if cfg.model.flavor == HF_FLAVOR:
@@ -315,6 +316,34 @@ def _check_dapo(rl, generation) -> None:
         )
     if not rl.overlong_buffer and rl.overlong_penalty != defaults.overlong_penalty:
         raise ValueError("rl.overlong_penalty: only used with rl.overlong_buffer > 0")
+
+
+_PIPELINE_KEYS = (
+    ("parallelism", ("pipeline_schedule", "pipeline_layers_per_stage")),
+    ("training", ("pipeline_microbatches",)),
+)
+
+
+def _check_pipeline(cfg) -> None:
+    """Pipeline keys only with pipeline parallel, and what it does not combine with yet."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        for section, keys in _PIPELINE_KEYS:
+            for key in keys:
+                if key in non_default_keys(getattr(cfg, section)):
+                    raise ValueError(f"{section}.{key}: only used with parallelism.pipeline_parallel_degree > 1")
+        return
+    pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
+    if cfg.job.recipe != "sft":
+        raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' only, not {cfg.job.recipe!r}")
+    others = (
+        ("context_parallel_degree", p.context_parallel_degree > 1),
+        ("expert_parallel_degree", p.expert_parallel_degree > 1),
+        ("rollout_ranks", p.rollout_ranks > 0),
+    )
+    for key, set_ in others:
+        if set_:
+            raise ValueError(f"{pp}: not supported together with parallelism.{key} yet")
 
 
 def _check_compile(cfg) -> None:

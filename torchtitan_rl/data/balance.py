@@ -205,6 +205,28 @@ def plan_microbatches(
     return sizes.balanced(list(range(len(seq_lens)))) if balanced else sizes.in_order()
 
 
+def spread_microbatches(plan: list[list[int]], seq_lens: list[int], count: int) -> list[list[int]]:
+    """``plan`` with micro-batches split in two until there are ``count`` of them or each holds
+    one sample: the one with the most tokens splits where its samples' tokens are about halved,
+    keeping their order. Lets a pipeline, whose stages work on different micro-batches at once,
+    start with enough of them."""
+    plan = [list(group) for group in plan]
+    while len(plan) < count:
+        splittable = [k for k, group in enumerate(plan) if len(group) > 1]
+        if not splittable:
+            break
+        k = max(splittable, key=lambda k: sum(seq_lens[i] for i in plan[k]))
+        group = plan[k]
+        total, prefix, cut = sum(seq_lens[i] for i in group), 0, 1
+        for j, i in enumerate(group[:-1]):
+            prefix += seq_lens[i]
+            cut = j + 1
+            if 2 * prefix >= total:
+                break
+        plan[k : k + 1] = [group[:cut], group[cut:]]
+    return plan
+
+
 def estimated_step_cost(
     seq_lens: list[int],
     assignment: list[list[int]],

@@ -237,6 +237,28 @@ def padding_microbatch(
     return _with_images(mb, [], vision) if vision is not None else mb
 
 
+def pad_microbatch(mb: MicroBatch, num_tokens: int) -> MicroBatch:
+    """``mb`` lengthened to ``num_tokens`` with zero-weight tokens of its padding
+    pseudo-sequence (a new one when it has none), so that micro-batches of different lengths
+    take one shape (pipeline stages exchange fixed-shape activations). A whole micro-batch (not a context-parallel share)."""
+    assert mb.cp_layout is None, "pad whole micro-batches only"
+    extra = num_tokens - mb.num_tokens
+    assert extra >= 0, (num_tokens, mb.num_tokens)
+    if extra == 0:
+        return mb
+    start = mb.num_padding_tokens  # the padding sequence's positions continue
+    return replace(
+        mb,
+        **{
+            name: torch.cat((v, v.new_full((extra,), TOKEN_PAD_VALUES.get(name, 0))))
+            for name, v in mb.token_fields().items()
+        },
+        positions=torch.cat((mb.positions, torch.arange(start, start + extra))),
+        seq_ids=torch.cat((mb.seq_ids, torch.full((extra,), len(mb.seq_lens), dtype=torch.long))),
+        num_padding_tokens=mb.num_padding_tokens + extra,
+    )
+
+
 def build_microbatches(
     samples: list[Sample],
     plan: list[list[int]],

@@ -7,10 +7,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # Order matters: the innermost (last) dims are the ones whose ranks are neighbours, so TP,
-# which communicates most, gets adjacent ranks (same node).
-_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+# which communicates most, gets adjacent ranks (same node); pipeline parallel, which sends only
+# activations between neighbouring stages, is outermost (across nodes).
+_MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-# Flattened meshes: name -> the world-mesh dims it spans.
+# Flattened meshes: name -> the world-mesh dims it spans. None spans ``pp``: the stages of a
+# pipeline hold the same samples and different layers, so every sum over samples or tokens (and
+# over a layer's shards) stays within one stage.
 _FLATTENED = {
     "batch": ("dp_replicate", "dp_shard"),
     "fsdp": ("dp_shard", "cp"),
@@ -20,7 +23,7 @@ _FLATTENED = {
     # The ranks of a replica, each with its own tokens: MoE experts are FSDP-sharded over them,
     # or split over their ``ep`` groups under expert parallel (see ``build_meshes``).
     "expert": ("dp_shard", "cp", "tp"),
-    # Sums of per-token quantities whose tokens are spread over every rank (router counts).
+    # Sums of per-token quantities whose tokens are spread over every rank of a stage (router counts).
     "world": ("dp_replicate", "dp_shard", "cp", "tp"),
 }
 
@@ -28,7 +31,9 @@ _FLATTENED = {
 @dataclass
 class ParallelDims:
     """The training ranks' degrees. ``world_size`` counts the training ranks: the launch's first
-    ``world_size`` ranks; the ``num_rollout_ranks`` after them only generate (GRPO)."""
+    ``world_size`` ranks; the ``num_rollout_ranks`` after them only generate (GRPO). ``pp`` is
+    the number of pipeline ranks (``distributed.pipeline``): each holds the same data as its
+    peers and a slice of the layers."""
 
     dp_replicate: int
     dp_shard: int
@@ -37,6 +42,7 @@ class ParallelDims:
     world_size: int
     num_rollout_ranks: int = 0
     ep: int = 1
+    pp: int = 1
     _meshes: dict[str, DeviceMesh | None] = field(default_factory=dict, init=False, repr=False)
     _trainer_group: dist.ProcessGroup | None = field(default=None, init=False, repr=False)
 
@@ -44,6 +50,8 @@ class ParallelDims:
         self._validate()
 
     def _validate(self):
+        if self.pp < 1:
+            raise ValueError(f"parallelism.pipeline_parallel_degree must be >= 1, got {self.pp}")
         if self.ep < 1:
             raise ValueError(f"parallelism.expert_parallel_degree must be >= 1, got {self.ep}")
         names = {
@@ -57,7 +65,7 @@ class ParallelDims:
                 raise ValueError(f"{names[dim]} must be >= 1, got {getattr(self, dim)}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"{names['dp_shard']} must be -1 or >= 1, got {self.dp_shard}")
-        others = self.dp_replicate * self.cp * self.tp
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         world = (
             f"the number of training ranks {self.world_size} (the world size less parallelism.rollout_ranks="
             f"{self.num_rollout_ranks})"
@@ -67,15 +75,15 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others != 0:
                 raise ValueError(
-                    f"{world} is not divisible by {names['dp_replicate']} "
+                    f"{world} is not divisible by {self._pp_term()}{names['dp_replicate']} "
                     f"({self.dp_replicate}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) "
                     f"= {others}; cannot infer {names['dp_shard']} = -1"
                 )
             self.dp_shard = self.world_size // others
         if others * self.dp_shard != self.world_size:
             raise ValueError(
-                f"{names['dp_replicate']} ({self.dp_replicate}) * {names['dp_shard']} ({self.dp_shard}) "
-                f"* {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) = {others * self.dp_shard} "
+                f"{self._pp_term()}{names['dp_replicate']} ({self.dp_replicate}) * {names['dp_shard']} "
+                f"({self.dp_shard}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) = {others * self.dp_shard} "
                 f"does not equal {world}"
             )
         replica = self.dp_shard * self.cp * self.tp
@@ -85,6 +93,14 @@ class ParallelDims:
                 f"{names['dp_shard']} ({self.dp_shard}) * {names['cp']} ({self.cp}) * {names['tp']} ({self.tp}) "
                 f"= {replica}: expert parallel groups are carved out of them"
             )
+
+    def _pp_term(self) -> str:
+        return f"parallelism.pipeline_parallel_degree ({self.pp}) * " if self.pp > 1 else ""
+
+    @property
+    def stage_size(self) -> int:
+        """The training ranks of one pipeline stage (all of them without pipeline parallel)."""
+        return self.world_size // self.pp
 
     @property
     def batch_degree(self) -> int:
@@ -120,7 +136,13 @@ class ParallelDims:
         """
         if self.num_rollout_ranks:
             self._trainer_group = dist.new_group(list(range(self.world_size)))
-        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp, "tp": self.tp}
+        sizes = {
+            "pp": self.pp,
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "cp": self.cp,
+            "tp": self.tp,
+        }
         keep = [d for d in _MESH_DIMS if sizes[d] > 1]
         if self.dp_replicate > 1 and self.fsdp_degree == 1:
             keep.insert(keep.index("dp_replicate") + 1, "dp_shard")
@@ -211,6 +233,6 @@ class ParallelDims:
 
     def batch_rank_of(self, rank: int) -> int:
         """``batch_rank()`` of training rank ``rank``, known on every rank of the launch: the world
-        mesh holds the training ranks in (dp_replicate, dp_shard, cp, tp) order, so the CP x TP
-        ranks of a batch rank are consecutive."""
-        return rank // (self.cp * self.tp)
+        mesh holds the training ranks in (pp, dp_replicate, dp_shard, cp, tp) order, so the CP x TP
+        ranks of a batch rank are consecutive within a stage."""
+        return rank % self.stage_size // (self.cp * self.tp)

@@ -166,6 +166,7 @@ def token_loss(
     loss_parallel: bool = True,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    backward_twice: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(loss, logprobs, entropies or None)``: the loss ``Σ_chunks loss_of_chunk(start, end,
     logprobs[start:end], entropies[start:end])``, differentiable with respect to ``hidden`` and
@@ -175,6 +176,9 @@ def token_loss(
     and sees differentiable log-probs (and entropies with ``entropy_grad``; otherwise they
     are reported only). The gradients are taken chunk by chunk here, during the forward pass,
     and handed to autograd whole: backward through the loss costs two multiplies.
+    ``backward_twice``: keep them for a second backward through the loss (zero-bubble pipeline
+    schedules take the input gradients and the weight gradients in separate passes); otherwise
+    they are freed as soon as backward has used them.
     """
     layout = _VocabLayout(hidden, output_weight, tp_mesh, loss_parallel)
     hidden, weight = layout.hidden, layout.weight
@@ -210,7 +214,7 @@ def token_loss(
         entropy_chunks.append(entropy.detach() if with_entropy else None)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
-    loss = _WithGradients.apply(loss, hidden, weight, grad_hidden, grad_weight)
+    loss = _WithGradients.apply(loss, hidden, weight, grad_hidden, grad_weight, backward_twice)
     return loss, torch.cat(logprob_chunks), torch.cat(entropy_chunks) if with_entropy else None
 
 
@@ -219,13 +223,15 @@ class _WithGradients(torch.autograd.Function):
     through their gradients (already computed): backward scales them by the incoming gradient."""
 
     @staticmethod
-    def forward(ctx, loss, hidden, weight, grad_hidden, grad_weight):
+    def forward(ctx, loss, hidden, weight, grad_hidden, grad_weight, backward_twice):
         ctx.grads = (grad_hidden, grad_weight)
+        ctx.backward_twice = backward_twice
         return loss.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad_hidden, grad_weight = ctx.grads
-        del ctx.grads  # backward runs once; free the [T, D] and [V, D] buffers right away
+        if not ctx.backward_twice:
+            del ctx.grads  # backward runs once; free the [T, D] and [V, D] buffers right away
         scale = lambda g: None if g is None else g * grad.to(g.dtype)  # noqa: E731
-        return None, scale(grad_hidden), scale(grad_weight), None, None
+        return None, scale(grad_hidden), scale(grad_weight), None, None, None

@@ -6,6 +6,7 @@ whose errors then name that file). Every error is a ``ValueError`` naming the ke
 """
 
 from torchtitan_rl.config.validation import HF_FLAVOR, non_default_keys
+from torchtitan_rl.distributed.pipeline import num_stages_of
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
 
 # Keys that only a model with a vision tower reads.
@@ -37,6 +38,26 @@ def check_model_settings(cfg, model_args) -> None:
     else:
         _check_no_vision_keys(cfg)
     _check_moe(cfg, model_args, source)
+    _check_pipeline_model(cfg, model_args, source)
+
+
+def _check_pipeline_model(cfg, model_args, source: str) -> None:
+    """The models pipeline parallel splits: dense text models with an output head of their own,
+    whose layers fill the stages the schedule runs."""
+    p = cfg.parallelism
+    if p.pipeline_parallel_degree == 1:
+        return
+    model = source or f"model.flavor={cfg.model.flavor!r}"
+    pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
+    if spec_for_args(model_args).takes_images or model_args.is_moe:
+        kind = "a vision-language model" if spec_for_args(model_args).takes_images else "a mixture-of-experts model"
+        raise ValueError(f"{pp}: {model} is {kind}, which pipeline parallel does not split yet; use a dense text model")
+    if model_args.tie_embeddings:
+        raise ValueError(
+            f"{pp}: {model} ties the output head to the token embeddings, which the first and the last pipeline "
+            "stage would both need; use a model without tied embeddings"
+        )
+    num_stages_of(model_args.n_layers, p.pipeline_parallel_degree, p.pipeline_schedule, p.pipeline_layers_per_stage)
 
 
 def _check_moe(cfg, model_args, source: str) -> None:

@@ -27,8 +27,10 @@ from torchtitan_rl.distributed.activation_checkpoint import apply_activation_che
 from torchtitan_rl.distributed.compile import apply_compile
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.param_init import init_weights_layout_invariant
+from torchtitan_rl.distributed.pipeline import PipelinePlan, plan_pipeline
 from torchtitan_rl.distributed.utils import init_distributed
 from torchtitan_rl.engine import Engine, EngineOptions
+from torchtitan_rl.engine_pipeline import PipelineEngine
 from torchtitan_rl.engine_scores import ScoreEngine
 from torchtitan_rl.hf_checkpoint import read_hf_model_args
 from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
@@ -40,6 +42,7 @@ from torchtitan_rl.models.lora import LoRASettings, add_adapters, init_adapter_,
 from torchtitan_rl.models.qwen3.args import as_reward_model, check_flavor, with_router_aux_loss
 from torchtitan_rl.models.qwen3.model import param_seed
 from torchtitan_rl.models.registry import get_model_spec, spec_for_args
+from torchtitan_rl.models.stages import rank_module, stage_module
 from torchtitan_rl.models.vlm.args import with_image_token_id
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.profiling import MemoryProfiler
@@ -62,6 +65,7 @@ def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
         world_size=world_size - p.rollout_ranks,
         num_rollout_ranks=p.rollout_ranks,
         ep=p.expert_parallel_degree,
+        pp=p.pipeline_parallel_degree,
     )
 
 
@@ -153,6 +157,7 @@ def build_model(
     compile_backend=None,
     reshard_after_forward: str = "default",
     lora: LoRASettings | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> nn.Module:
     """Build on meta, parallelize, then materialize and initialize identically for any layout.
 
@@ -164,6 +169,9 @@ def build_model(
     ``reshard_after_forward``: FSDP's policy for the blocks (``parallelism.fsdp_reshard_after_forward``).
     ``lora``: add adapters and freeze the rest (``models.lora.add_adapters``); the adapters are
     initialized by ``lora.init`` with the same per-name seeds as every parameter.
+    ``pipeline``: build only this rank's pipeline stages (``models.stages``), each parallelized
+    on its own; the module returned holds them all under the whole model's names, and its
+    ``pipeline_stages`` maps each stage id to the module that runs it.
     """
     spec = spec_for_args(args)
     with torch.device("meta"):
@@ -176,14 +184,26 @@ def build_model(
     if freeze_vision:
         # Before FSDP, which fixes each sharded parameter's requires_grad when it wraps it.
         model.vision_tower.requires_grad_(False)
-    if compile_backend is not None:
-        # Before activation checkpointing, which then recomputes the compiled forward.
-        apply_compile(model.blocks(), compile_backend)
-    apply_activation_checkpointing(model.blocks(), ac_mode, ac_every)
-    spec.parallelize(model, parallel_dims, param_dtype, reduce_dtype, reshard_after_forward=reshard_after_forward)
-    model.to_empty(device=device)
-    init_weights_layout_invariant(model, seed, init_param, param_seed)
-    return model
+    if pipeline is None:
+        parts = {0: model}
+    else:
+        last = pipeline.num_stages - 1
+        parts = {
+            i: stage_module(model, pipeline.layers[i], first=i == 0, last=i == last) for i in pipeline.local_stages
+        }
+    for part in parts.values():
+        if compile_backend is not None:
+            # Before activation checkpointing, which then recomputes the compiled forward.
+            apply_compile(part.blocks(), compile_backend)
+        apply_activation_checkpointing(part.blocks(), ac_mode, ac_every)
+        spec.parallelize(part, parallel_dims, param_dtype, reduce_dtype, reshard_after_forward=reshard_after_forward)
+        part.to_empty(device=device)
+        init_weights_layout_invariant(part, seed, init_param, param_seed)
+    if pipeline is None:
+        return model
+    held = rank_module(model, list(parts.values()))
+    held.pipeline_stages = parts
+    return held
 
 
 def _init_adapted_param(init_param_, lora_init: str, fqn: str, tensor: torch.Tensor, generator) -> None:
@@ -243,6 +263,7 @@ def build_engine(
             job_config.lora.dropout,
         )
     ac, compile_config = job_config.activation_checkpoint, job_config.compile
+    pipeline = pipeline_plan(job_config, parallel_dims, model_args.n_layers)
     model = build_model(
         model_args,
         parallel_dims=parallel_dims,
@@ -256,6 +277,7 @@ def build_engine(
         compile_backend=compile_config.backend if compile_config.enable else None,
         reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
         lora=lora_settings(job_config),
+        pipeline=pipeline,
     )
     # Without FSDP there is no mixed-precision policy; autocast stands in for it.
     autocast_dtype = dtype if (parallel_dims.fsdp_mesh() is None and dtype != torch.float32) else None
@@ -281,16 +303,28 @@ def build_engine(
         vision=vision_packing(model_args),
         max_patches_per_microbatch=t.max_patches_per_microbatch,
         router=router_loss_config(job_config) if model_args.is_moe else None,
+        min_microbatches=(t.pipeline_microbatches or pipeline.num_stages) if pipeline else 1,
     )
-    return (ScoreEngine if reward_model else Engine)(
-        model,
+    engine_kwargs = dict(
         optimizer=optimizer,
         lr_scheduler=lr_scheduler,
         parallel_dims=parallel_dims,
         device=device,
         options=options,
         autocast_dtype=autocast_dtype,
-    ), model_args
+    )
+    if pipeline is not None:
+        return PipelineEngine(model, pipeline=pipeline, activation_dtype=dtype, **engine_kwargs), model_args
+    return (ScoreEngine if reward_model else Engine)(model, **engine_kwargs), model_args
+
+
+def pipeline_plan(job_config: JobConfig, parallel_dims: ParallelDims, num_layers: int) -> PipelinePlan | None:
+    """This rank's share of the pipeline (None without pipeline parallel); meshes built."""
+    p = job_config.parallelism
+    if parallel_dims.pp == 1:
+        return None
+    pp_rank = parallel_dims.mesh("pp").get_local_rank()
+    return plan_pipeline(num_layers, parallel_dims.pp, pp_rank, p.pipeline_schedule, p.pipeline_layers_per_stage)
 
 
 def balance_cost_model(model_args) -> CostModel:
@@ -404,7 +438,7 @@ class Recipe(ABC):
             self.device,
             self.rank,
             tb_folder=os.path.join(job_config.job.dump_folder, m.save_tb_folder) if m.enable_tensorboard else None,
-            num_params=sum(p.numel() for p in self.engine.model.parameters()),
+            num_params=self.engine.num_params(),
             flops_per_token_context=6 * args.n_layers * args.n_heads * args.head_dim,
         )
         self.memory_profiler = MemoryProfiler(

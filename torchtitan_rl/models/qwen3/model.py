@@ -238,6 +238,10 @@ class Qwen3Model(nn.Module):
         so that ``[T, vocab]`` is never materialized at once; so are a reward model's scores
         (``self.score``).
         """
+        if self.tok_embeddings is None:
+            # A pipeline stage after the first (``distributed.pipeline``): its input is the
+            # previous stage's hidden states.
+            return self.run_layers(tokens, positions, seq_ids, router_mask, num_seqs, attention=attention)
         check_packed_inputs(tokens, positions, seq_ids)
         return self.run_layers(
             self.tok_embeddings(tokens), positions, seq_ids, router_mask, num_seqs, attention=attention
@@ -278,7 +282,8 @@ class Qwen3Model(nn.Module):
         if not self.args.is_moe:
             for name, layer in self.layers.items():
                 h = layer(h, rotary, attention.for_layer(int(name)))
-            return self.norm(h)
+            # A pipeline stage before the last has no final norm: the next stage continues from h.
+            return h if self.norm is None else self.norm(h)
 
         moe_context = self._moe_context(h, seq_ids, router_mask, num_seqs)
         stats = []
@@ -292,7 +297,9 @@ class Qwen3Model(nn.Module):
             else:
                 h = layer(h, rotary, layer_attention)
         counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
-        return self.norm(h), RouterStats(counts=counts, prob_sums=prob_sums, z_sums=z_sums)
+        return (h if self.norm is None else self.norm(h)), RouterStats(
+            counts=counts, prob_sums=prob_sums, z_sums=z_sums
+        )
 
     def _moe_context(
         self, h: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor | None, num_seqs: int | None

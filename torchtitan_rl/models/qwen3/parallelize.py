@@ -151,16 +151,16 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     head = (
         {"score": SequenceParallel(sequence_dim=0, use_local_output=True)}
         if model.args.score_head
-        else {"output": colwise(model.output)}
+        else {"output": colwise(model.output) if model.output is not None else None}
     )
+    plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=token_shards),
+        "norm": SequenceParallel(sequence_dim=0, use_local_output=True),
+        **head,
+    }
+    # A pipeline stage holds some of these only (``models.stages``).
     parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=token_shards),
-            "norm": SequenceParallel(sequence_dim=0, use_local_output=True),
-            **head,
-        },
+        model, tp_mesh, {name: style for name, style in plan.items() if getattr(model, name) is not None}
     )
     if model.args.tie_embeddings:
         # Both layers shard the [vocab, dim] weight over the vocabulary (Shard(0)), so the

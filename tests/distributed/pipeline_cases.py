@@ -1,0 +1,148 @@
+"""Pipeline parallel inside the shared multi-rank launch (``layout_worker.run_all_layouts``).
+
+Each layout of ``PIPELINE_LAYOUTS`` splits a deeper version of the layout model over its
+pipeline ranks, composed with FSDP and tensor parallel, and runs the cases below through a
+``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_mean and sum on more), the PPO
+loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence ratios, a
+clipped AdamW step, and the forward log-probs and entropies. Rank 0 records the whole gradient
+(every stage's, gathered), the logged metrics, the stepped weights and the log-probs, for
+test_pipeline_layout.py. Kept free of any reference computation.
+"""
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+import layout_cases as lc
+from torchtitan_rl.distributed.clip import clip_grad_norm_
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.distributed.pipeline import plan_pipeline
+from torchtitan_rl.engine import EngineOptions
+from torchtitan_rl.engine_pipeline import PipelineEngine
+from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.recipes.base import build_model
+
+# Enough layers for two stages on each of 4 pipeline ranks.
+NUM_LAYERS = 8
+BUDGET = 24  # several micro-batches per rank
+# world size -> (pp, dp_shard, tp, schedule) layouts.
+PIPELINE_LAYOUTS = {
+    2: ((2, 1, 1, "1F1B"), (2, 1, 1, "GPipe"), (2, 1, 1, "ZBVZeroBubble")),
+    4: ((2, 2, 1, "1F1B"), (2, 1, 2, "1F1B"), (2, 2, 1, "Interleaved1F1B"), (4, 1, 1, "InterleavedZeroBubble")),
+    8: ((2, 2, 2, "1F1B"),),
+}
+# (loss_fn, reduction mode, data); the step case runs last. token_mean_legacy depends on the
+# micro-batch split on purpose, which a pipeline changes (it splits into more micro-batches).
+SFT_MODES = tuple(mode for mode in REDUCTION_MODES if mode not in ("prompt_mean", "token_mean_legacy"))
+FULL_CASES = tuple(("cross_entropy", mode, "uneven") for mode in SFT_MODES) + (
+    ("ppo", "prompt_mean", "rl"),
+    ("gspo", "sequence_mean", "rl"),
+)
+WIDE_CASES = (
+    ("cross_entropy", "token_mean", "uneven"),
+    ("cross_entropy", "sum", "uneven"),
+    ("ppo", "prompt_mean", "rl"),
+)
+STEP_CASE = ("cross_entropy", "token_mean", "uneven")
+
+
+def model_args():
+    return dataclasses.replace(lc.model_args(), n_layers=NUM_LAYERS)
+
+
+def options(mode: str, max_norm: float = 0.0, min_microbatches: int = 1) -> EngineOptions:
+    """The engine's options for a case (the reference's too, with one micro-batch minimum)."""
+    return EngineOptions(
+        reduction=mode,
+        horizon=lc.HORIZON,
+        max_tokens_per_microbatch=BUDGET,
+        logits_chunk_size=16,
+        max_norm=max_norm,
+        min_microbatches=min_microbatches,
+    )
+
+
+def layout_name(pp: int, dp_shard: int, tp: int, schedule: str) -> str:
+    return f"pp{pp}_shard{dp_shard}_tp{tp}_{schedule}"
+
+
+def case_key(layout: str, loss_fn: str, mode: str) -> str:
+    return f"pipeline/{layout}/{loss_fn}/{mode}"
+
+
+def _share(samples: list, dims: ParallelDims) -> list:
+    n = len(samples) // dims.batch_degree
+    return samples[dims.batch_rank() * n : (dims.batch_rank() + 1) * n]
+
+
+def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every stage's ``{name: full tensor}`` merged, on every rank (collective)."""
+    mine = {name: lc.full(t) for name, t in tensors.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: t for held in everyone for name, t in held.items()}
+
+
+def run_pipeline_checks(world_size: int, results: dict) -> None:
+    for pp, dp_shard, tp, schedule in PIPELINE_LAYOUTS.get(world_size, ()):
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, world_size=world_size, pp=pp)
+        dims.build_meshes("cpu")
+        _run_layout(dims, schedule, results)
+
+
+def _run_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
+    device = torch.device("cpu")
+    plan = plan_pipeline(NUM_LAYERS, dims.pp, dims.mesh("pp").get_local_rank(), schedule)
+    model = build_model(
+        model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
+    )
+    layout = layout_name(dims.pp, dims.dp_shard, dims.tp, schedule)
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
+
+    def engine(mode: str, max_norm: float = 0.0) -> PipelineEngine:
+        return PipelineEngine(
+            model,
+            pipeline=plan,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            parallel_dims=dims,
+            device=device,
+            options=options(mode, max_norm, min_microbatches=plan.num_stages),
+        )
+
+    out = engine("token_mean").forward(_share(lc.global_batch("uneven"), dims), with_entropy=True)
+    results[f"pipeline/{layout}/forward"] = {
+        "logprobs": out.logprobs,
+        "entropies": out.entropies,
+        "rank": dims.batch_rank(),
+    }
+    cases = FULL_CASES if dist.get_world_size() == 2 else WIDE_CASES
+    for index, (loss_fn, mode, data) in enumerate((*cases, STEP_CASE)):
+        step = index == len(cases)
+        run = engine(mode, lc.MAX_NORM if step else 0.0)
+        fb = run.forward_backward(_share(lc.global_batch(data), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
+        grads = _whole({name: p.grad for name, p in model.named_parameters()})
+        if step:
+            optim = run.optim_step()
+        else:
+            grad_norm = clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp"))
+            optim = {"grad_norm": grad_norm, "lr": lc.LR}
+            model.zero_grad(set_to_none=True)
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[NUM_LOSS_TOKENS],
+            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+            window_seconds=1.0,
+            data_stats={},
+        )
+        entry = {"grads": grads, "logged": logged}
+        if step:
+            entry["params"] = _whole(dict(model.named_parameters()))
+        results[case_key(layout, loss_fn, mode) + ("/step" if step else "")] = entry

@@ -1,0 +1,142 @@
+"""Pipeline parallel does not change the gradient: every schedule and composition of
+pipeline_cases.PIPELINE_LAYOUTS (pp2 with 1F1B, GPipe and ZBV; pp2 x dp2 with 1F1B and
+Interleaved1F1B; pp2 x tp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2) against one
+process running the whole mini-batch through the whole model: gradients, every logged metric
+(rl/* included), the clipped AdamW step and the forward log-probs."""
+
+import functools
+
+import pytest
+import torch
+
+import layout_cases as lc
+import pipeline_cases as pc
+from torchtitan_rl.distributed.clip import clip_grad_norm_
+from torchtitan_rl.distributed.parallel_dims import ParallelDims
+from torchtitan_rl.engine import Engine
+from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS
+from torchtitan_rl.metrics import MetricsLogger
+from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.recipes.base import build_model
+
+RTOL = 1e-5
+# Logged values that are not the loss's: the host's memory, and throughput (checked apart).
+NOT_COMPARED = ("memory/peak_rss(GiB)", "throughput(tps)")
+
+
+def _one_process():
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    dims.build_meshes("cpu")
+    model = build_model(
+        pc.model_args(), parallel_dims=dims, device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32
+    )
+    return dims, model
+
+
+@functools.cache
+def reference(loss_fn: str, mode: str, data: str, step: bool) -> dict:
+    """What one process logs and holds after the case, from the initial weights."""
+    dims, model = _one_process()
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    engine = Engine(
+        model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        options=pc.options(mode, lc.MAX_NORM if step else 0.0),
+    )
+    with lc.one_thread():
+        fb = engine.forward_backward(lc.global_batch(data), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optim = (
+            engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+        )
+    metrics = MetricsLogger(dims, torch.device("cpu"), 0, tb_folder=None, num_params=1, flops_per_token_context=1)
+    logged = metrics.log(
+        1,
+        fb=fb,
+        optim=optim,
+        window_tokens=fb.counts[NUM_LOSS_TOKENS],
+        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+        window_seconds=1.0,
+        data_stats={},
+    )
+    return {
+        "grads": grads,
+        "logged": logged,
+        "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+    }
+
+
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    err, scale = (actual - expected).norm(), expected.norm()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert err <= RTOL * scale + 1e-9, f"{what}: relative error {float(err / scale.clamp(min=1e-30)):.3e}"
+
+
+def _layouts(world: int) -> list[str]:
+    return [pc.layout_name(*layout) for layout in pc.PIPELINE_LAYOUTS[world]]
+
+
+def _cases(world: int):
+    cases = pc.FULL_CASES if world == 2 else pc.WIDE_CASES
+    return [(*case, False) for case in cases] + [(*pc.STEP_CASE, True)]
+
+
+@pytest.mark.parametrize("world", sorted(pc.PIPELINE_LAYOUTS))
+def test_pipeline_gradients_metrics_and_step_equal_one_process(layout_results, world):
+    results = layout_results[world]
+    for layout in _layouts(world):
+        for loss_fn, mode, data, step in _cases(world):
+            key = pc.case_key(layout, loss_fn, mode) + ("/step" if step else "")
+            got, expected = results[key], reference(loss_fn, mode, data, step)
+            assert got["grads"].keys() == expected["grads"].keys(), key
+            for name, grad in expected["grads"].items():
+                assert_rel_close(got["grads"][name], grad, f"{key} grad {name}")
+            logged, want = got["logged"], expected["logged"]
+            assert logged.keys() == want.keys(), key
+            for tag, value in want.items():
+                if tag not in NOT_COMPARED:
+                    # A near-zero RL loss needs an absolute floor besides the relative bound.
+                    assert logged[tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
+            # Per rank: the loss tokens of the window over one second, shared by every rank.
+            assert logged["throughput(tps)"] == pytest.approx(want["tokens/loss_tokens"] / world), key
+            if step:
+                assert want["grad_norm"] > lc.MAX_NORM, "the step case must clip"
+                for name, param in expected["params"].items():
+                    torch.testing.assert_close(got["params"][name], param, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+
+
+@pytest.mark.parametrize("world", sorted(pc.PIPELINE_LAYOUTS))
+def test_pipeline_forward_logprobs_equal_one_process(layout_results, world):
+    dims, model = _one_process()
+    engine = Engine(
+        model,
+        optimizer=None,
+        lr_scheduler=None,
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        options=pc.options("token_mean"),
+    )
+    with lc.one_thread():
+        expected = engine.forward(lc.global_batch("uneven"), with_entropy=True)
+    for layout in _layouts(world):
+        got = layout_results[world][f"pipeline/{layout}/forward"]
+        num = len(got["logprobs"])
+        start = got["rank"] * num  # rank 0's share of the batch
+        assert num == lc.GLOBAL_BATCH_SIZE // (world // int(layout.split("_")[0][2:]) // int(layout.split("_")[2][2:]))
+        for i in range(num):
+            assert_rel_close(got["logprobs"][i], expected.logprobs[start + i], f"{layout} log-probs {i}")
+            assert_rel_close(got["entropies"][i], expected.entropies[start + i], f"{layout} entropies {i}")
+
+
+def test_every_pipeline_layout_and_case_was_run(layout_results):
+    for world in pc.PIPELINE_LAYOUTS:
+        keys = {key for key in layout_results[world] if key.startswith("pipeline/")}
+        expected = {f"pipeline/{layout}/forward" for layout in _layouts(world)}
+        for layout in _layouts(world):
+            for loss_fn, mode, _, step in _cases(world):
+                expected.add(pc.case_key(layout, loss_fn, mode) + ("/step" if step else ""))
+        assert keys == expected, world
