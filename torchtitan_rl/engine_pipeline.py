@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtitan_rl.data.cp_split import microbatch_layout
 from torchtitan_rl.data.packing import MicroBatch, pad_microbatch, padding_microbatch
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
@@ -33,6 +34,7 @@ from torchtitan_rl.engine import Engine, ForwardResult, PreparedBatch, _loss_inp
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import ForwardBackwardMetrics, resolve_loss_fn
 from torchtitan_rl.losses.reduction import global_counts, token_weights
+from torchtitan_rl.models.attention import cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
 
 
@@ -64,28 +66,42 @@ class PipelineEngine(Engine):
     def _stage_inputs(self, index: int, activations: tuple) -> tuple[tuple, dict[str, Any]]:
         mb = self._running[index]
         first = activations[0] if activations else mb.input_ids
-        return (first, mb.positions, mb.seq_ids), {}
+        cp_mesh = self.parallel_dims.mesh("cp")
+        if cp_mesh is None:
+            return (first, mb.positions, mb.seq_ids), {}
+        # A CP share attends to the keys of every share of its micro-batch.
+        attention = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
+        return (first, mb.positions, mb.seq_ids), {"attention": attention}
 
     def _agree(self, batch: PreparedBatch) -> PreparedBatch:
         """``Engine._agree``, then filler up to what the schedule needs (at least one
         micro-batch per pipeline rank, a multiple of them for the multi-stage schedules) and
-        every micro-batch padded to the step's longest. Attention is planned in each stage's
-        forward (of the padded micro-batch)."""
+        every micro-batch (every context-parallel share) padded to the step's longest.
+        Attention is planned in each stage's forward (of the padded micro-batch)."""
         batch = super()._agree(batch)
-        pp = self.parallel_dims.pp
-        count = max(len(batch.whole), pp)
+        dims = self.parallel_dims
+        count = max(len(batch.whole), dims.pp)
         if len(self.plan.local_stages) > 1:
-            count = -(-count // pp) * pp
-        length = max(mb.num_tokens for mb in batch.whole)
-        length = -(-length // self._pad_multiple()) * self._pad_multiple()
-        filler = [padding_microbatch(length, batch.inputs) for _ in range(count - len(batch.whole))]
-        whole = [pad_microbatch(mb, length) for mb in batch.whole] + filler
+            count = -(-count // dims.pp) * dims.pp
+        whole = batch.whole + [padding_microbatch(1, batch.inputs) for _ in range(count - len(batch.whole))]
+        if dims.mesh("cp") is None:
+            length = max(mb.num_tokens for mb in whole)
+            length = -(-length // self._pad_multiple()) * self._pad_multiple()
+            whole = [pad_microbatch(mb, length) for mb in whole]
+        else:
+            # A share holds 1 / cp of its whole micro-batch's sequences, each padded to a
+            # multiple of 2 cp tp: lengthening the padding sequence by a multiple of that
+            # lengthens every share by exactly 1 / cp of it.
+            share_lens = [microbatch_layout(mb, dims.cp, dims.tp).num_padded_tokens // dims.cp for mb in whole]
+            longest = max(share_lens)
+            whole = [pad_microbatch(mb, mb.num_tokens + (longest - n) * dims.cp) for mb, n in zip(whole, share_lens)]
+        whole, shares = self._shares(whole)
         # Per-sequence losses read the real micro-batches only (``Engine._max_sequence_mean_loss``).
-        num_slots, slots, mask = sequence_slots([mb for mb in whole if not mb.is_padding])
+        num_slots, slots, mask = sequence_slots([mb for mb in shares if not mb.is_padding])
         return replace(
             batch,
             whole=whole,
-            shares=whole,
+            shares=shares,
             attention=[None] * len(whole),
             num_seq_slots=num_slots,
             seq_slots=slots,

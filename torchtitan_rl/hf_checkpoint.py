@@ -34,6 +34,7 @@ from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.hf_tokenizer_files import ExportTokenizer, byte_tokenizer_config, byte_tokenizer_json
 from torchtitan_rl.models.lora import is_adapter_key, lora_modules
 from torchtitan_rl.models.registry import spec_for_args, spec_for_hf_config
+from torchtitan_rl.models.stages import whole_model
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -94,14 +95,9 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         # A reward model's: its head has no bias, which stays as initialized (0).
         bias = next(iter(to_hf({"score.bias": None})))
         params = {key: value for key, value in params.items() if key != bias}
-    found = files.keys()
-    if getattr(model, "pipeline_stages", None) is not None:
-        # A pipeline rank reads its stages' tensors; the other stages' ranks check theirs.
-        with torch.device("meta"):
-            whole = spec_for_args(model.args).model_cls(model.args)
-        others = hf_sources(whole).keys() - hf_sources(model).keys()
-        found = [key for key in found if key not in others]
-    _check_same_keys(params.keys(), found, unread_head, listing)
+    # A pipeline rank reads its stages' tensors; the other stages' ranks check theirs.
+    others = hf_sources(whole_model(model)).keys() - hf_sources(model).keys()
+    _check_same_keys(params.keys(), [key for key in files if key not in others], unread_head, listing)
     with contextlib.ExitStack() as stack:
         handles = {}  # file -> (open handle, the keys it holds)
         for key, (param, index) in params.items():
@@ -171,7 +167,7 @@ def export_hf(
     tensors = sources(model)
     sizes = {key: _numel(param, index) * dtype.itemsize for key, (param, index) in tensors.items()}
     writers = {key: _writer(param, index) for key, (param, index) in tensors.items()}
-    sizes, writers = _agree_on_tensors(sizes, writers, rank, group)
+    sizes, writers = agree_on_tensors(sizes, writers, rank, group)
     shards = _plan_shards(sizes, max_shard_bytes, writers)
     staging = _make_staging_dir(path) if rank == 0 else None
     several_writers = len(set(writers.values())) > 1
@@ -349,7 +345,7 @@ def _plan_shards(
 def _writer(param: torch.Tensor, index: int | None) -> int | None:
     """The global rank that writes the HF tensor: the owner of an expert under expert parallel
     (the first of the ranks holding it); None for everything else, which the first rank holding
-    it writes (``_agree_on_tensors``)."""
+    it writes (``agree_on_tensors``)."""
     block = _expert_parallel_block(param)
     if index is None or block is None:
         return None
@@ -358,7 +354,7 @@ def _writer(param: torch.Tensor, index: int | None) -> int | None:
     return int(mesh.mesh[(0,) * (mesh.ndim - 1) + (owner,)])
 
 
-def _agree_on_tensors(
+def agree_on_tensors(
     sizes: dict[str, int], writers: dict[str, int | None], rank: int, group: dist.ProcessGroup | None
 ) -> tuple[dict[str, int], dict[str, int]]:
     """Every HF tensor of the model with its size and writer, the same on every rank of ``group``

@@ -33,6 +33,7 @@ from torchtitan_rl.hf_checkpoint import (
     _open_safetensors,
     _read_json,
     _write_json,
+    agree_on_tensors,
     export_hf,
     hf_sources,
     write_tokenizer_files,
@@ -40,6 +41,7 @@ from torchtitan_rl.hf_checkpoint import (
 from torchtitan_rl.hf_tokenizer_files import ExportTokenizer
 from torchtitan_rl.models.lora import LoRASettings, is_adapter_key, lora_modules, merged_weight
 from torchtitan_rl.models.registry import spec_for_args
+from torchtitan_rl.models.stages import whole_model
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -69,7 +71,7 @@ def peft_sources(model: nn.Module, settings: LoRASettings) -> dict[str, torch.Te
         hf = PEFT_PREFIX + _hf_module(model, module)
         for ours, peft in _PEFT_MATRIX.items():
             sources[f"{hf}.{peft}.weight"] = getattr(layer, ours).weight
-    if settings.train_embeddings:
+    if settings.train_embeddings and model.tok_embeddings is not None:  # a pipeline's first stage holds it
         # A tied head is the trained embedding too; PEFT (ensure_weight_tying) stores it twice.
         trained = ("tok_embeddings", "output") if model.args.tie_embeddings else ("tok_embeddings",)
         for module in trained:
@@ -102,7 +104,7 @@ def adapter_config(model: nn.Module, settings: LoRASettings) -> dict:
         "r": settings.rank,
         "lora_alpha": settings.alpha,
         "lora_dropout": settings.dropout,
-        "target_modules": _target_modules(model),
+        "target_modules": _target_modules(whole_model(model, settings)),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -140,17 +142,23 @@ def save_peft_adapter(
     _check_export_target(path, tokenizer)
     if dist.is_initialized():
         dist.barrier(group=group)
-    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    rank = dist.get_rank() if dist.is_initialized() else 0
     reshard(model)
     sources = peft_sources(model, settings)
-    staging = _make_staging_dir(path) if is_writer else None
+    # Pipeline stages hold different adapters: the first rank holding each one sends it to rank 0.
+    _, writers = agree_on_tensors({key: p.numel() for key, p in sources.items()}, dict.fromkeys(sources), rank, group)
+    staging = _make_staging_dir(path) if rank == 0 else None
     try:
         tensors = {}
         for key, param in sources.items():
             full = param.full_tensor() if isinstance(param, DTensor) else param
-            if staging is not None:
+            if writers[key] == rank:
                 # A copy, so the tied head's two entries are no shared storage (which safetensors refuses).
                 tensors[key] = full.detach().to(dtype, copy=True).cpu().contiguous()
+        if len(set(writers.values())) > 1:
+            held = [None] * dist.get_world_size(group) if rank == 0 else None
+            dist.gather_object(tensors, held, dst=0, group=group)
+            tensors = {key: t for part in held or () for key, t in part.items()}
         if staging is not None:
             save_file(tensors, os.path.join(staging, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
             _write_json(os.path.join(staging, ADAPTER_CONFIG_FILE), adapter_config(model, settings))
@@ -232,7 +240,7 @@ def _check_adapter_config(model: nn.Module, path: str, settings: LoRASettings) -
     if config.get("target_parameters"):
         raise ValueError(f'{file!r}: "target_parameters" is not supported')
     theirs = config.get("target_modules")
-    ours = _target_modules(model)
+    ours = _target_modules(whole_model(model, settings))
     if isinstance(theirs, str) or sorted(theirs or []) != ours:
         raise ValueError(
             f'{file!r}: "target_modules" is {theirs!r}, but this run adapts {ours} '
@@ -265,7 +273,9 @@ def load_peft_adapter(model: nn.Module, path: str, settings: LoRASettings) -> No
     sources = peft_sources(model, settings)
     with contextlib.ExitStack() as stack:
         handle = stack.enter_context(_open_safetensors(file))
-        found = [key for key in handle.keys() if not key.endswith(".base_layer.weight")]
+        # A pipeline rank reads its stages' adapters; the other stages' ranks check theirs.
+        others = peft_sources(whole_model(model, settings), settings).keys() - sources.keys()
+        found = [key for key in handle.keys() if not key.endswith(".base_layer.weight") and key not in others]
         missing = [key for key in sources if key not in found]
         unexpected = [key for key in found if key not in sources]
         if missing or unexpected:

@@ -10,11 +10,16 @@ test_pipeline_layout.py. Kept free of any reference computation.
 """
 
 import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 import layout_cases as lc
+import lora_cases
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.pipeline import plan_pipeline
@@ -23,16 +28,23 @@ from torchtitan_rl.engine_pipeline import PipelineEngine
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS, REDUCTION_MODES
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.peft_checkpoint import save_merged_hf, save_peft_adapter
 from torchtitan_rl.recipes.base import build_model
 
 # Enough layers for two stages on each of 4 pipeline ranks.
 NUM_LAYERS = 8
 BUDGET = 24  # several micro-batches per rank
-# world size -> (pp, dp_shard, tp, schedule) layouts.
+# world size -> (pp, dp_shard, cp, tp, schedule) layouts.
 PIPELINE_LAYOUTS = {
-    2: ((2, 1, 1, "1F1B"), (2, 1, 1, "GPipe"), (2, 1, 1, "ZBVZeroBubble")),
-    4: ((2, 2, 1, "1F1B"), (2, 1, 2, "1F1B"), (2, 2, 1, "Interleaved1F1B"), (4, 1, 1, "InterleavedZeroBubble")),
-    8: ((2, 2, 2, "1F1B"),),
+    2: ((2, 1, 1, 1, "1F1B"), (2, 1, 1, 1, "GPipe"), (2, 1, 1, 1, "ZBVZeroBubble")),
+    4: (
+        (2, 2, 1, 1, "1F1B"),
+        (2, 1, 1, 2, "1F1B"),
+        (2, 1, 2, 1, "1F1B"),
+        (2, 2, 1, 1, "Interleaved1F1B"),
+        (4, 1, 1, 1, "InterleavedZeroBubble"),
+    ),
+    8: ((2, 2, 1, 2, "1F1B"), (2, 1, 2, 2, "Interleaved1F1B")),
 }
 # (loss_fn, reduction mode, data); the step case runs last. token_mean_legacy depends on the
 # micro-batch split on purpose, which a pipeline changes (it splits into more micro-batches).
@@ -47,6 +59,8 @@ WIDE_CASES = (
     ("ppo", "prompt_mean", "rl"),
 )
 STEP_CASE = ("cross_entropy", "token_mean", "uneven")
+# The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
+LORA_LAYOUT = (4, (2, 2, 1, 1, "1F1B"))
 
 
 def model_args():
@@ -65,8 +79,8 @@ def options(mode: str, max_norm: float = 0.0, min_microbatches: int = 1) -> Engi
     )
 
 
-def layout_name(pp: int, dp_shard: int, tp: int, schedule: str) -> str:
-    return f"pp{pp}_shard{dp_shard}_tp{tp}_{schedule}"
+def layout_name(pp: int, dp_shard: int, cp: int, tp: int, schedule: str) -> str:
+    return f"pp{pp}_shard{dp_shard}_cp{cp}_tp{tp}_{schedule}"
 
 
 def case_key(layout: str, loss_fn: str, mode: str) -> str:
@@ -87,19 +101,29 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def run_pipeline_checks(world_size: int, results: dict) -> None:
-    for pp, dp_shard, tp, schedule in PIPELINE_LAYOUTS.get(world_size, ()):
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=tp, world_size=world_size, pp=pp)
+    for pp, dp_shard, cp, tp, schedule in PIPELINE_LAYOUTS.get(world_size, ()):
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
         dims.build_meshes("cpu")
         _run_layout(dims, schedule, results)
+        if (world_size, (pp, dp_shard, cp, tp, schedule)) == LORA_LAYOUT:
+            _run_layout(dims, schedule, results, lora=True)
 
 
-def _run_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
+def _run_layout(dims: ParallelDims, schedule: str, results: dict, lora: bool = False) -> None:
     device = torch.device("cpu")
     plan = plan_pipeline(NUM_LAYERS, dims.pp, dims.mesh("pp").get_local_rank(), schedule)
     model = build_model(
-        model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
+        model_args(),
+        parallel_dims=dims,
+        device=device,
+        seed=lc.SEED,
+        param_dtype=torch.float32,
+        pipeline=plan,
+        lora=lora_cases.SETTINGS if lora else None,
     )
-    layout = layout_name(dims.pp, dims.dp_shard, dims.tp, schedule)
+    layout = layout_name(dims.pp, dims.dp_shard, dims.cp, dims.tp, schedule) + ("_lora" if lora else "")
+    if lora:
+        lora_cases.set_adapters(model)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
@@ -121,12 +145,12 @@ def _run_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
         "entropies": out.entropies,
         "rank": dims.batch_rank(),
     }
-    cases = FULL_CASES if dist.get_world_size() == 2 else WIDE_CASES
+    cases = () if lora else FULL_CASES if dist.get_world_size() == 2 else WIDE_CASES
     for index, (loss_fn, mode, data) in enumerate((*cases, STEP_CASE)):
         step = index == len(cases)
         run = engine(mode, lc.MAX_NORM if step else 0.0)
         fb = run.forward_backward(_share(lc.global_batch(data), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
-        grads = _whole({name: p.grad for name, p in model.named_parameters()})
+        grads = _whole({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
         if step:
             optim = run.optim_step()
         else:
@@ -146,3 +170,23 @@ def _run_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
         if step:
             entry["params"] = _whole(dict(model.named_parameters()))
         results[case_key(layout, loss_fn, mode) + ("/step" if step else "")] = entry
+    if lora:
+        results[f"pipeline/{layout}/exports"] = _exports(model)
+
+
+def _exports(model) -> dict[str, dict[str, torch.Tensor]]:
+    """The PEFT adapter and the merged Hugging Face model the pipeline's stages export together."""
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    folder = Path(box[0])
+    save_peft_adapter(model, str(folder / "adapter"), lora_cases.SETTINGS, torch.float32)
+    save_merged_hf(model, str(folder / "merged"), torch.float32)
+    exported = {
+        name: {key: t for file in sorted((folder / name).glob("*.safetensors")) for key, t in load_file(file).items()}
+        for name in ("adapter", "merged")
+    }
+    exported["num_merged_files"] = len(list((folder / "merged").glob("*.safetensors")))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder)
+    return exported

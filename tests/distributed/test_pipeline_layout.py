@@ -1,15 +1,20 @@
 """Pipeline parallel does not change the gradient: every schedule and composition of
 pipeline_cases.PIPELINE_LAYOUTS (pp2 with 1F1B, GPipe and ZBV; pp2 x dp2 with 1F1B and
-Interleaved1F1B; pp2 x tp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2) against one
+Interleaved1F1B; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2 and
+pp2 x cp2 x tp2 interleaved) against one
 process running the whole mini-batch through the whole model: gradients, every logged metric
-(rl/* included), the clipped AdamW step and the forward log-probs."""
+(rl/* included), the clipped AdamW step and the forward log-probs; with LoRA, the adapters'
+step and the PEFT and merged exports the stages write together."""
 
 import functools
+import tempfile
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import layout_cases as lc
+import lora_cases
 import pipeline_cases as pc
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -17,26 +22,36 @@ from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
+from torchtitan_rl.peft_checkpoint import save_merged_hf, save_peft_adapter
 from torchtitan_rl.recipes.base import build_model
 
 RTOL = 1e-5
 # Logged values that are not the loss's: the host's memory, and throughput (checked apart).
 NOT_COMPARED = ("memory/peak_rss(GiB)", "throughput(tps)")
+EXPORT_FILES = {"adapter": "adapter_model.safetensors", "merged": "model.safetensors"}
 
 
-def _one_process():
+def _one_process(lora: bool = False):
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
     dims.build_meshes("cpu")
     model = build_model(
-        pc.model_args(), parallel_dims=dims, device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32
+        pc.model_args(),
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        seed=lc.SEED,
+        param_dtype=torch.float32,
+        lora=lora_cases.SETTINGS if lora else None,
     )
+    if lora:
+        lora_cases.set_adapters(model)
     return dims, model
 
 
 @functools.cache
-def reference(loss_fn: str, mode: str, data: str, step: bool) -> dict:
-    """What one process logs and holds after the case, from the initial weights."""
-    dims, model = _one_process()
+def reference(loss_fn: str, mode: str, data: str, step: bool, lora: bool = False) -> dict:
+    """What one process logs and holds after the case, from the initial weights (with
+    ``lora``, also what it exports)."""
+    dims, model = _one_process(lora)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     engine = Engine(
@@ -49,10 +64,11 @@ def reference(loss_fn: str, mode: str, data: str, step: bool) -> dict:
     )
     with lc.one_thread():
         fb = engine.forward_backward(lc.global_batch(data), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
-        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optim = (
-            engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
-        )
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        if step:
+            optim = engine.optim_step()
+        else:
+            optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
     metrics = MetricsLogger(dims, torch.device("cpu"), 0, tb_folder=None, num_params=1, flops_per_token_context=1)
     logged = metrics.log(
         1,
@@ -63,11 +79,13 @@ def reference(loss_fn: str, mode: str, data: str, step: bool) -> dict:
         window_seconds=1.0,
         data_stats={},
     )
-    return {
-        "grads": grads,
-        "logged": logged,
-        "params": {name: p.detach().clone() for name, p in model.named_parameters()},
-    }
+    entry = {"grads": grads, "logged": logged, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    if lora:
+        with tempfile.TemporaryDirectory() as folder:
+            save_peft_adapter(model, f"{folder}/adapter", lora_cases.SETTINGS, torch.float32)
+            save_merged_hf(model, f"{folder}/merged", torch.float32)
+            entry["exports"] = {name: load_file(f"{folder}/{name}/{file}") for name, file in EXPORT_FILES.items()}
+    return entry
 
 
 def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -85,58 +103,75 @@ def _cases(world: int):
     return [(*case, False) for case in cases] + [(*pc.STEP_CASE, True)]
 
 
+def _runs(world: int) -> list[tuple[str, tuple]]:
+    """(layout, case) of every run of this world size; a LoRA layout's name ends in _lora."""
+    runs = [(layout, case) for layout in _layouts(world) for case in _cases(world)]
+    if pc.LORA_LAYOUT[0] == world:
+        runs.append((pc.layout_name(*pc.LORA_LAYOUT[1]) + "_lora", (*pc.STEP_CASE, True)))
+    return runs
+
+
 @pytest.mark.parametrize("world", sorted(pc.PIPELINE_LAYOUTS))
 def test_pipeline_gradients_metrics_and_step_equal_one_process(layout_results, world):
     results = layout_results[world]
-    for layout in _layouts(world):
-        for loss_fn, mode, data, step in _cases(world):
-            key = pc.case_key(layout, loss_fn, mode) + ("/step" if step else "")
-            got, expected = results[key], reference(loss_fn, mode, data, step)
-            assert got["grads"].keys() == expected["grads"].keys(), key
-            for name, grad in expected["grads"].items():
-                assert_rel_close(got["grads"][name], grad, f"{key} grad {name}")
-            logged, want = got["logged"], expected["logged"]
-            assert logged.keys() == want.keys(), key
-            for tag, value in want.items():
-                if tag not in NOT_COMPARED:
-                    # A near-zero RL loss needs an absolute floor besides the relative bound.
-                    assert logged[tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
-            # Per rank: the loss tokens of the window over one second, shared by every rank.
-            assert logged["throughput(tps)"] == pytest.approx(want["tokens/loss_tokens"] / world), key
-            if step:
-                assert want["grad_norm"] > lc.MAX_NORM, "the step case must clip"
-                for name, param in expected["params"].items():
-                    torch.testing.assert_close(got["params"][name], param, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
+    for layout, (loss_fn, mode, data, step) in _runs(world):
+        key = pc.case_key(layout, loss_fn, mode) + ("/step" if step else "")
+        got, expected = results[key], reference(loss_fn, mode, data, step, layout.endswith("_lora"))
+        assert got["grads"].keys() == expected["grads"].keys(), key
+        for name, grad in expected["grads"].items():
+            assert_rel_close(got["grads"][name], grad, f"{key} grad {name}")
+        logged, want = got["logged"], expected["logged"]
+        assert logged.keys() == want.keys(), key
+        for tag, value in want.items():
+            if tag not in NOT_COMPARED:
+                # A near-zero RL loss needs an absolute floor besides the relative bound.
+                assert logged[tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
+        # Per rank: the window's loss tokens over one second, shared by every rank.
+        assert logged["throughput(tps)"] == pytest.approx(want["tokens/loss_tokens"] / world), key
+        if step:
+            assert want["grad_norm"] > lc.MAX_NORM, "the step case must clip"
+            for name, param in expected["params"].items():
+                torch.testing.assert_close(got["params"][name], param, rtol=1e-5, atol=1e-6, msg=f"{key} {name}")
 
 
 @pytest.mark.parametrize("world", sorted(pc.PIPELINE_LAYOUTS))
 def test_pipeline_forward_logprobs_equal_one_process(layout_results, world):
     dims, model = _one_process()
+    options = pc.options("token_mean")
     engine = Engine(
-        model,
-        optimizer=None,
-        lr_scheduler=None,
-        parallel_dims=dims,
-        device=torch.device("cpu"),
-        options=pc.options("token_mean"),
+        model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=torch.device("cpu"), options=options
     )
     with lc.one_thread():
         expected = engine.forward(lc.global_batch("uneven"), with_entropy=True)
-    for layout in _layouts(world):
+    for (_, dp_shard, *_), layout in zip(pc.PIPELINE_LAYOUTS[world], _layouts(world)):
         got = layout_results[world][f"pipeline/{layout}/forward"]
-        num = len(got["logprobs"])
+        num = lc.GLOBAL_BATCH_SIZE // dp_shard
+        assert len(got["logprobs"]) == len(got["entropies"]) == num, layout
         start = got["rank"] * num  # rank 0's share of the batch
-        assert num == lc.GLOBAL_BATCH_SIZE // (world // int(layout.split("_")[0][2:]) // int(layout.split("_")[2][2:]))
         for i in range(num):
             assert_rel_close(got["logprobs"][i], expected.logprobs[start + i], f"{layout} log-probs {i}")
             assert_rel_close(got["entropies"][i], expected.entropies[start + i], f"{layout} entropies {i}")
+
+
+def test_adapters_trained_under_pipeline_export_like_one_process(layout_results):
+    """The PEFT adapter and the merged model that pp2 x dp2's stages export together (each stage
+    its own files) after a LoRA step equal one process's."""
+    world, layout = pc.LORA_LAYOUT
+    got = layout_results[world][f"pipeline/{pc.layout_name(*layout)}_lora/exports"]
+    expected = reference(*pc.STEP_CASE, True, True)["exports"]
+    assert got["num_merged_files"] == 2  # one per pipeline stage
+    for name in EXPORT_FILES:
+        assert got[name].keys() == expected[name].keys(), name
+        for key, tensor in expected[name].items():
+            torch.testing.assert_close(got[name][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
 def test_every_pipeline_layout_and_case_was_run(layout_results):
     for world in pc.PIPELINE_LAYOUTS:
         keys = {key for key in layout_results[world] if key.startswith("pipeline/")}
         expected = {f"pipeline/{layout}/forward" for layout in _layouts(world)}
-        for layout in _layouts(world):
-            for loss_fn, mode, _, step in _cases(world):
-                expected.add(pc.case_key(layout, loss_fn, mode) + ("/step" if step else ""))
+        expected |= {pc.case_key(layout, c[0], c[1]) + ("/step" if c[3] else "") for layout, c in _runs(world)}
+        if pc.LORA_LAYOUT[0] == world:
+            lora = pc.layout_name(*pc.LORA_LAYOUT[1]) + "_lora"
+            expected |= {f"pipeline/{lora}/forward", f"pipeline/{lora}/exports"}
         assert keys == expected, world

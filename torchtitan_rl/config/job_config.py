@@ -249,7 +249,7 @@ class Parallelism:
     """Pipeline-parallel degree: the model's layers split into stages over this many ranks,
     which pass hidden states (and their gradients) from stage to stage while working on
     different micro-batches at once. The outermost mesh dim (across nodes first). SFT with a
-    dense text model; not yet with context or expert parallel, tied embeddings, rollout ranks
+    dense text model; not yet with expert parallel, tied embeddings, rollout ranks
     or the other recipes."""
 
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"

@@ -337,7 +337,6 @@ def _check_pipeline(cfg) -> None:
     if cfg.job.recipe != "sft":
         raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' only, not {cfg.job.recipe!r}")
     others = (
-        ("context_parallel_degree", p.context_parallel_degree > 1),
         ("expert_parallel_degree", p.expert_parallel_degree > 1),
         ("rollout_ranks", p.rollout_ranks > 0),
     )

@@ -8,7 +8,11 @@ the whole model: checkpoints and Hugging Face exports do not depend on the split
 
 import copy
 
+import torch
 from torch import nn
+
+from torchtitan_rl.models.lora import LoRASettings, add_adapters
+from torchtitan_rl.models.registry import spec_for_args
 
 # Modules outside the layers, by the stage that runs them.
 FIRST_STAGE_MODULES = ("tok_embeddings",)
@@ -51,3 +55,17 @@ def _keep_layers(model: nn.Module, keep: set[int]) -> None:
     for name in list(model.layers):
         if int(name) not in keep:
             del model.layers[name]
+
+
+def whole_model(model: nn.Module, lora: LoRASettings | None = None) -> nn.Module:
+    """The whole model, on the meta device, of which ``model`` holds pipeline stages (adapted
+    like it with ``lora``); ``model`` itself when it is whole. Imports and exports check the
+    names they read and write against it."""
+    if getattr(model, "pipeline_stages", None) is None:
+        return model
+    spec = spec_for_args(model.args)
+    with torch.device("meta"):
+        whole = spec.model_cls(model.args)
+    if lora is not None:
+        add_adapters(whole, lora, spec.lora_targets)
+    return whole
