@@ -109,8 +109,8 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
             ["pipeline_parallel_degree = 2", "job.recipe = 'sft' only", "'grpo'"],
         ),
         (
-            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"],
-            ["pipeline_parallel_degree = 2", "parallelism.context_parallel_degree"],
+            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
+            ["pipeline_parallel_degree = 2", "parallelism.expert_parallel_degree"],
         ),
         (
             ["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_moe"],
