@@ -237,7 +237,9 @@ class Probe:
             Timed.__name__ = cls.__name__
             return Timed
 
-        pipeline.SCHEDULES = {name: (timed_build(cls), per_rank) for name, (cls, per_rank) in pipeline.SCHEDULES.items()}
+        pipeline.SCHEDULES = {
+            name: (timed_build(cls), per_rank) for name, (cls, per_rank) in pipeline.SCHEDULES.items()
+        }
         build_stage = pipeline.PipelineStage
 
         def timed_stage(*args, **kwargs):
@@ -303,7 +305,9 @@ def bubble_worker(args) -> None:
     models = {}
     for schedule in SCHEDULES:
         plan = plan_pipeline(args.layers, world, pp_rank, schedule)
-        model = build_model(model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32, pipeline=plan)
+        model = build_model(
+            model_args, parallel_dims=dims, device=device, seed=0, param_dtype=torch.float32, pipeline=plan
+        )
         models[schedule] = (plan, model)
     samples = {m: _samples(m, args.tokens, seed=0) for m in args.microbatches}  # the same on every pipeline rank
     pairs = [(schedule, m) for m in args.microbatches for schedule in SCHEDULES]
@@ -352,7 +356,9 @@ def bubble_worker(args) -> None:
                 "wall_s": statistics.median(walls),
                 "busy_frac": [statistics.median(rec[1] / rec[0] for rec in mine) for mine in per_rank],
                 "cpu_frac": [statistics.median(rec[2] / rec[0] for rec in mine) for mine in per_rank],
-                "cores": statistics.median(sum(per_rank[r][k][2] for r in range(world)) / walls[k] for k in range(rounds)),
+                "cores": statistics.median(
+                    sum(per_rank[r][k][2] for r in range(world)) / walls[k] for k in range(rounds)
+                ),
                 "schedule_frac": statistics.median(rec[3] / rec[0] for rec in per_rank[0]),
                 "setup_ms": 1000 * statistics.median(rec[4] for mine in per_rank for rec in mine),
                 "microbatches": per_rank[0][0][5],
@@ -491,7 +497,9 @@ def bubble_body(args, result: dict) -> list[str]:
         "exists; idle fraction 1 - busy / makespan, averaged over the ranks. The last column is the "
         "textbook (p - 1) / (v m + p - 1) for v stages per rank, which the replay reproduces under F = B.",
         "",
-        *markdown_table(["schedule", "micro-batches", *(f"bubble, {n}" for n in COST_MODELS), "(p-1)/(vm+p-1)"], theory_rows),
+        *markdown_table(
+            ["schedule", "micro-batches", *(f"bubble, {n}" for n in COST_MODELS), "(p-1)/(vm+p-1)"], theory_rows
+        ),
         "",
         "**Measured** (the same steps). Step time: relative to GPipe at the same micro-batch count in "
         "this run (absolute seconds in the last column, for scale only). Bubble: 1 - busy / wall, busy "
@@ -643,7 +651,11 @@ def main() -> None:
             results[layout] = result
         body += ([""] if body else []) + memory_body(args, results)
     minutes = (time.perf_counter() - started) / 60
-    body = [f"gloo, one thread per rank, {args.ranks} ranks on {args.cores} cores; {minutes:.1f} min in all.", "", *body]
+    body = [
+        f"gloo, one thread per rank, {args.ranks} ranks on {args.cores} cores; {minutes:.1f} min in all.",
+        "",
+        *body,
+    ]
     publish(
         args,
         "Pipeline parallel: bubbles and memory",
