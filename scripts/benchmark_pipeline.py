@@ -2,7 +2,7 @@
 the number of micro-batches, and the per-rank peak memory of pp2 x dp2 against dp4.
 
     .venv/bin/python scripts/benchmark_pipeline.py            # rewrites its page in docs/benchmarks/ (~6 min)
-    .venv/bin/python scripts/benchmark_pipeline.py --quick    # smoke run, about 1.5 min
+    .venv/bin/python scripts/benchmark_pipeline.py --quick    # smoke run, under 2 min
     .venv/bin/python scripts/benchmark_pipeline.py --no-write # print only
 
 Bubbles (``--parts bubble``): one launch of ``--ranks`` ranks, all of them pipeline ranks
@@ -12,10 +12,12 @@ micro-batch count) pair runs ``PipelineEngine.forward_backward`` once per round,
 alternating, the order reversed every other round, after ``--warmup`` uncounted rounds; each
 micro-batch is one sequence of ``--tokens`` tokens. Reported per pair:
 
-- the schedule's own bubble: the action order torch's schedule object holds for every rank
-  (``pipeline_order``, the object the step really ran), replayed with fixed costs and free
-  communication, each action starting when its rank is free and its input is there (the
-  previous stage's forward, the next stage's input gradient). Two cost models: F = B (the
+- the schedule's own bubble: every rank's order of passes, replayed with fixed costs and free
+  communication, each pass starting when its rank is free and its input is there (the previous
+  stage's forward, the next stage's input gradient). The order is the ``pipeline_order`` of the
+  schedule object the step ran for the multi-stage schedules (their runtime executes that
+  table); for GPipe and 1F1B it is built here from their code (torch 2.13's ``pipeline_order``
+  of 1F1B is off by one micro-batch on the last rank). Two cost models: F = B (the
   zero-bubble schedules' split backward I = W = 1/2) and F = 1, B = 2 (I = W = 1). Idle
   fraction = 1 - busy / makespan, averaged over the ranks; for the non-zero-bubble schedules
   the textbook (p - 1) / (v m + p - 1) is printed next to it as a check;
@@ -490,12 +492,16 @@ def bubble_body(args, result: dict) -> list[str]:
         "two form a V). One `PipelineEngine.forward_backward` per (schedule, micro-batches) pair and round, "
         f"the pairs alternating; {args.rounds} rounds after {args.warmup} warm-up round(s), medians.",
         "",
-        "**The schedule's own bubble**: torch's action table of the schedule object the step ran "
-        "(`pipeline_order`, every rank's order of forwards F, backwards B, or input-gradient I and "
-        "weight-gradient W passes for the zero-bubble schedules), replayed by this script with fixed "
-        "costs and free communication, each action starting as soon as its rank is free and its input "
-        "exists; idle fraction 1 - busy / makespan, averaged over the ranks. The last column is the "
-        "textbook (p - 1) / (v m + p - 1) for v stages per rank, which the replay reproduces under F = B.",
+        "**The schedule's own bubble**: every rank's order of passes (forwards F and backwards B; the "
+        "zero-bubble schedules split B into an input-gradient I and a weight-gradient W pass) replayed by "
+        "this script with fixed costs and free communication, each pass starting as soon as its rank is "
+        "free and its input exists; idle fraction 1 - busy / makespan, averaged over the ranks. The orders "
+        "of the multi-stage schedules are the action tables (`pipeline_order`) of the schedule objects the "
+        "steps ran, which their runtime executes; those of GPipe and 1F1B are built by the script from "
+        "torch's code (torch 2.13's `pipeline_order` for 1F1B starts its last rank at micro-batch 1 and "
+        "runs one too many, so it is not used). Costs: F = B (I = W = 1/2), and F = 1, B = 2 (I = W = 1), "
+        "closer to real passes. The last column is the textbook (p - 1) / (v m + p - 1) for v stages per "
+        "rank, which the replay reproduces.",
         "",
         *markdown_table(
             ["schedule", "micro-batches", *(f"bubble, {n}" for n in COST_MODELS), "(p-1)/(vm+p-1)"], theory_rows
@@ -578,9 +584,10 @@ def memory_body(args, results: dict) -> list[str]:
         "allocated during the step and still alive, from the PyTorch profiler's allocation events "
         "(`profile_memory=True`, `torchtitan_rl.profiling.cpu_memory_timeline`). It counts tensor storage "
         "only: not the allocator's slack, gloo's buffers or Python objects. Peak RSS (`ru_maxrss`) is the "
-        "whole process, about 0.3-0.4 GiB of which is the interpreter, torch and gloo whatever the layout; "
+        "whole process: about 0.35 GiB is the interpreter and its imports, whatever the layout; "
         "it is read before the profiled step. Live after step: bytes allocated during the step still alive "
-        "at its end (0 unless something outlives the step). Ranks in launch order: under pp2 x dp2 ranks 0, 1 "
+        "at its end (a leak check; in a check at the `--quick` sizes this was the output buffers of FSDP's "
+        "last reduce-scatters, which FSDP frees at the next step). Ranks in launch order: under pp2 x dp2 ranks 0, 1 "
         "hold stage 0 (embeddings) and ranks 2, 3 stage 1 (head and loss).",
         "",
         *markdown_table(
@@ -608,7 +615,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers of the bubble model")
     parser.add_argument("--deep-layers", type=int, default=16, help="layers of the memory model")
     parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=256, help="tokens per sequence (= per micro-batch)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens per sequence (= per micro-batch)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step, memory part")
     parser.add_argument("--rounds", type=int, default=3)
@@ -636,12 +643,17 @@ def main() -> None:
         "--microbatches",
         *map(str, args.microbatches),
     ]
-    body = []
+    body, headline = [], []
     if "bubble" in args.parts:
         result = launch_workers(__file__, args.ranks, [*shared, "--part", "bubble"])
         if "error" in result:
             raise SystemExit(f"bubble part: the ranks failed: {result['error']}")
         body += bubble_body(args, result)
+        m = max(args.microbatches)
+        steps = ", ".join(
+            f"{s} {ratio(result[f'{s}/{m}']['wall_s'], result[f'GPipe/{m}']['wall_s'])}" for s in SCHEDULES[1:]
+        )
+        headline.append(f"step time vs GPipe at {m} micro-batches on {args.ranks} CPU ranks (pp = 4): {steps}")
     if "memory" in args.parts:
         results = {}
         for layout in MEMORY_LAYOUTS:
@@ -650,6 +662,13 @@ def main() -> None:
                 raise SystemExit(f"memory part, {layout}: the ranks failed: {result['error']}")
             results[layout] = result
         body += ([""] if body else []) + memory_body(args, results)
+        peaks = {
+            name: max(x["params"] + x["optimizer"] + x["step_peak"] for x in r["ranks"]) for name, r in results.items()
+        }
+        dp4, *pipelined = MEMORY_LAYOUTS
+        headline.append(
+            "peak live tensors per rank vs dp4: " + ", ".join(f"{n} {ratio(peaks[n], peaks[dp4])}" for n in pipelined)
+        )
     minutes = (time.perf_counter() - started) / 60
     body = [
         f"gloo, one thread per rank, {args.ranks} ranks on {args.cores} cores; {minutes:.1f} min in all.",
@@ -659,8 +678,8 @@ def main() -> None:
     publish(
         args,
         "Pipeline parallel: bubbles and memory",
-        f"Bubble and step time of the 5 pipeline schedules against the number of micro-batches on {args.ranks} "
-        "CPU ranks (pp = 4), and per-rank peak memory of pp2 x dp2 against dp4.",
+        "The 5 pipeline schedules' bubbles and step times against the number of micro-batches, and per-rank "
+        "peak memory of pp2 x dp2 against dp4; " + "; ".join(headline) + ".",
         body,
     )
 

@@ -466,9 +466,21 @@ class Engine:
             total = counts if total is None else total + counts
         return all_reduce(total, "sum", self.parallel_dims.mesh("world"))
 
-    def _router_losses(self, stats, mb: MicroBatch, counts: torch.Tensor, expert_counts: torch.Tensor | None):
+    def _router_losses(
+        self,
+        stats,
+        mb: MicroBatch,
+        counts: torch.Tensor,
+        expert_counts: torch.Tensor | None,
+        mb_counts: torch.Tensor | None = None,
+    ):
         """This rank's partial load-balancing and z losses of one micro-batch (losses.router):
-        each group's counts complete (all-reduced, no gradient), the probability sums its own."""
+        each group's counts complete (all-reduced, no gradient), the probability sums its own.
+
+        ``expert_counts`` (global scope) and ``mb_counts`` (the micro-batch's per-sequence
+        counts ``[L, S, E]``, complete over its CP / TP peers; the other scopes) are computed
+        from ``stats`` when None. A pipeline stage, whose ``stats`` cover its own layers, passes
+        them counted beforehand: the pooled loss reads every layer's counts."""
         config = self.options.router
         num_tokens = counts[NUM_TOKENS].float()
         aux = torch.zeros((), device=self.device)
@@ -482,7 +494,9 @@ class Engine:
                 )
             elif config.aux_loss_scope == "sequence":
                 # A sequence's tokens are spread over its CP / TP peers only.
-                seq_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp")).transpose(0, 1)
+                if mb_counts is None:
+                    mb_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp"))
+                seq_counts = mb_counts.transpose(0, 1)
                 seq_tokens = torch.zeros(mb.num_seqs, device=self.device)
                 seq_tokens[: len(mb.seq_lens)] = torch.tensor(mb.seq_lens, dtype=torch.float32)
                 weights = torch.ones(mb.num_seqs, device=self.device) / counts[NUM_SEQS].clamp(min=1)
@@ -490,7 +504,9 @@ class Engine:
                     seq_counts, stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers
                 )
             else:
-                mb_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("cp_tp"))
+                if mb_counts is None:
+                    mb_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp"))
+                mb_counts = mb_counts.sum(1)
                 mb_tokens = torch.tensor([float(sum(mb.seq_lens))], device=self.device)
                 aux = balance_loss(
                     mb_counts[None],

@@ -11,7 +11,7 @@ nowhere. The last stage's results reach the other stages by one small broadcast,
 returns the same metrics.
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.pipeline import (
     PipelinePlan,
     attach_microbatch_inputs,
+    num_microbatches_for,
     run_schedule,
     splits_backward,
     stage_ids,
@@ -34,6 +35,7 @@ from torchtitan_rl.engine import Engine, ForwardResult, PreparedBatch, _loss_inp
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import ForwardBackwardMetrics, resolve_loss_fn
 from torchtitan_rl.losses.reduction import global_counts, token_weights
+from torchtitan_rl.losses.router import RouterMetrics
 from torchtitan_rl.models.attention import cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
 
@@ -52,8 +54,15 @@ class PipelineEngine(Engine):
         self.pp_mesh = self.parallel_dims.mesh("pp")
         # The micro-batches of the schedule running now, read by the stages' forward.
         self._running: list[MicroBatch] = []
-        for module in self.stages.values():
-            attach_microbatch_inputs(module, self._stage_inputs)
+        # What the stages of a MoE model do with their router statistics in the pass running now.
+        self._routing: _RouterPass | None = None
+        self._stage_of = {id(module): stage for stage, module in self.stages.items()}
+        moe_layers = list(model.args.moe_layers) if model.args.is_moe else []
+        # Per local stage: its MoE layers' positions among the model's MoE layers.
+        self._moe_slots = {
+            stage: [moe_layers.index(i) for i in pipeline.layers[stage] if i in moe_layers] for stage in self.stages
+        }
+        self._num_moe_layers = len(moe_layers)
         last = pipeline.num_stages - 1
         self.holds_last = last in self.stages
         # The pipeline rank holding the last stage (rank 0 under a V-shaped schedule).
@@ -66,23 +75,44 @@ class PipelineEngine(Engine):
     def _stage_inputs(self, index: int, activations: tuple) -> tuple[tuple, dict[str, Any]]:
         mb = self._running[index]
         first = activations[0] if activations else mb.input_ids
+        kwargs = {}
         cp_mesh = self.parallel_dims.mesh("cp")
-        if cp_mesh is None:
-            return (first, mb.positions, mb.seq_ids), {}
-        # A CP share attends to the keys of every share of its micro-batch.
-        attention = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
-        return (first, mb.positions, mb.seq_ids), {"attention": attention}
+        if cp_mesh is not None:
+            # A CP share attends to the keys of every share of its micro-batch.
+            kwargs["attention"] = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
+        if self.options.router is not None:
+            # Padding never enters router statistics: how much of it there is depends on the layout.
+            kwargs.update(router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs)
+        return (first, mb.positions, mb.seq_ids), kwargs
+
+    def _stage_output(self, module, index: int, output) -> torch.Tensor:
+        """The hidden states a stage passes on. A MoE stage's router statistics stay with it:
+        counted in a counting pass, or turned into its share of the router losses, whose
+        gradient joins the hidden states' in backward (``_WithLoss``)."""
+        if self.options.router is None:
+            return output
+        hidden, stats = output
+        routing = self._routing
+        if routing is None:  # a forward-only pass: nothing to count
+            return hidden
+        stage = self._stage_of[id(module)]
+        if routing.counting:
+            routing.recorded[stage, index] = stats.counts.detach()
+            return hidden
+        expert_counts, mb_counts = routing.counts_for(index, self._moe_slots[stage])
+        aux, z = self._router_losses(stats, self._running[index], routing.batch_counts, expert_counts, mb_counts)
+        routing.add(self._moe_slots[stage], aux.detach(), z.detach(), stats.counts.sum(1))
+        router = self.options.router
+        return _WithLoss.apply(hidden, router.aux_loss_coef * aux + router.z_loss_coef * z)
 
     def _agree(self, batch: PreparedBatch) -> PreparedBatch:
-        """``Engine._agree``, then filler up to what the schedule needs (at least one
-        micro-batch per pipeline rank, a multiple of them for the multi-stage schedules) and
+        """``Engine._agree``, then filler up to what the schedule needs
+        (``num_microbatches_for``) and
         every micro-batch (every context-parallel share) padded to the step's longest.
         Attention is planned in each stage's forward (of the padded micro-batch)."""
         batch = super()._agree(batch)
         dims = self.parallel_dims
-        count = max(len(batch.whole), dims.pp)
-        if len(self.plan.local_stages) > 1:
-            count = -(-count // dims.pp) * dims.pp
+        count = num_microbatches_for(self.plan.schedule, len(batch.whole), dims.pp)
         whole = batch.whole + [padding_microbatch(1, batch.inputs) for _ in range(count - len(batch.whole))]
         if dims.mesh("cp") is None:
             length = max(mb.num_tokens for mb in whole)
@@ -110,6 +140,10 @@ class PipelineEngine(Engine):
 
     def _run(self, microbatches: list[MicroBatch], loss_fn, backward: bool) -> None:
         self._running = microbatches
+        # Several engines may share the model's stages (one per reduction mode): the running one
+        # feeds them.
+        for module in self.stages.values():
+            attach_microbatch_inputs(module, self._stage_inputs, self._stage_output)
         hidden_rows = microbatches[0].num_tokens // self.parallel_dims.tp  # sequence-parallel shard
         try:
             with self._autocast():
@@ -155,7 +189,14 @@ class PipelineEngine(Engine):
             values[i], outputs[i] = value.detach(), (logprobs, entropy)
             return value
 
-        self._run(microbatches, last_stage_loss, backward=True)
+        if self.options.router is not None:
+            self._routing = _RouterPass(batch_counts=counts, pooled=self.options.router.aux_loss_layers == "pooled")
+            if self.options.router.aux_loss_coef > 0:
+                self._count_routes(microbatches)
+        try:
+            self._run(microbatches, last_stage_loss, backward=True)
+        finally:
+            routing, self._routing = self._routing, None
         fb = None
         if self.holds_last:
             order = range(len(microbatches))
@@ -169,7 +210,69 @@ class PipelineEngine(Engine):
                 counts,
                 with_logprobs,
             )
-        return self._from_last_stage(fb)
+        fb = self._from_last_stage(fb)
+        return fb if routing is None else replace(fb, router=self._router_metrics(routing))
+
+    @torch.no_grad()
+    def _count_routes(self, microbatches: list[MicroBatch]) -> None:
+        """The counting pass: every micro-batch routed through the pipeline without autograd, so
+        that each stage knows every layer's top-k counts before its first backward (the pooled
+        loss reads all layers', the global scope every micro-batch's). Counts are summed over the
+        ranks that share a group's tokens (every rank of the stage for the global scope, the CP
+        / TP peers for a sequence or micro-batch), then exchanged over the pipeline."""
+        routing = self._routing
+        routing.counting = True
+        self._run(microbatches, lambda hidden, index: hidden.sum(), backward=False)
+        routing.counting = False
+        num_layers, dims = self._num_moe_layers, self.parallel_dims
+        if self.options.router.aux_loss_scope == "global":
+            mine = {
+                slot: all_reduce(
+                    sum(counts[k].sum(0) for (s, _), counts in routing.recorded.items() if s == stage),
+                    "sum",
+                    dims.mesh("world"),
+                )
+                for stage, slots in self._moe_slots.items()
+                for k, slot in enumerate(slots)
+            }
+            everyone = self._gather_over_pipeline(mine)
+            routing.expert_counts = torch.stack([everyone[slot] for slot in range(num_layers)])
+        else:
+            mine = {
+                (slot, index): all_reduce(counts[k], "sum", dims.mesh("cp_tp"))
+                for (stage, index), counts in routing.recorded.items()
+                for k, slot in enumerate(self._moe_slots[stage])
+            }
+            everyone = self._gather_over_pipeline(mine)
+            routing.mb_counts = [
+                torch.stack([everyone[slot, index] for slot in range(num_layers)]) for index in range(len(microbatches))
+            ]
+        routing.recorded.clear()
+
+    def _gather_over_pipeline(self, mine: dict[Any, torch.Tensor], merge: bool = True):
+        """Every pipeline rank's ``mine`` (small tensors), on every rank: merged into one dict, or
+        the list of them in pipeline order."""
+        # clone() waits for a functional collective's result (pickling would not).
+        mine = {key: value.clone() for key, value in mine.items()}
+        everyone: list = [None] * self.parallel_dims.pp
+        dist.all_gather_object(everyone, mine, group=self.pp_mesh.get_group())
+        everyone = [{key: value.to(self.device) for key, value in part.items()} for part in everyone]
+        return {key: value for part in everyone for key, value in part.items()} if merge else everyone
+
+    def _router_metrics(self, routing: "_RouterPass") -> RouterMetrics:
+        """The step's router metrics of every stage: the partial losses summed over the stages,
+        the counts of every MoE layer in order (the same on every pipeline rank)."""
+        mine = {"aux": routing.aux, "z": routing.z, **{("counts", slot): c for slot, c in routing.counts.items()}}
+        everyone = self._gather_over_pipeline(mine, merge=False)
+        counts = {key[1]: value for part in everyone for key, value in part.items() if key[0] == "counts"}
+        layers = tuple(self.model.args.moe_layers)
+        return RouterMetrics(
+            sum(part["aux"] for part in everyone),
+            sum(part["z"] for part in everyone),
+            torch.stack([counts[slot] for slot in range(len(layers))]),
+            layers,
+            self.options.router,
+        )
 
     @torch.no_grad()
     def forward(self, samples: list[Sample], with_entropy: bool = False) -> ForwardResult:
@@ -225,3 +328,50 @@ class PipelineEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         return {"grad_norm": grad_norm, "lr": lr}
+
+
+class _WithLoss(torch.autograd.Function):
+    """``hidden`` unchanged, with ``loss`` joining its backward: whatever gradient reaches the
+    stage's output, ``loss`` gets gradient 1 (a stage's router losses, which never reach the
+    last stage's loss)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape = loss.shape
+        # A copy, not a view: zero-bubble schedules detach a stage's outputs in place.
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.ones(ctx.loss_shape, dtype=torch.float32, device=grad.device)
+
+
+@dataclass
+class _RouterPass:
+    """A MoE step's router statistics across its pipeline passes."""
+
+    batch_counts: torch.Tensor  # losses.reduction's global counts of the mini-batch
+    pooled: bool  # moe.aux_loss_layers = "pooled": each layer's loss reads every layer's counts
+    counting: bool = False
+    recorded: dict = field(default_factory=dict)  # (stage, micro-batch) -> its local counts [L_s, S, E]
+    expert_counts: torch.Tensor | None = None  # global scope: [L, E] of the mini-batch
+    mb_counts: list[torch.Tensor] | None = None  # other scopes: per micro-batch [L, S, E]
+    aux: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    z: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    counts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer slot -> this rank's [E]
+
+    def counts_for(self, index: int, slots: list[int]):
+        """(expert_counts, mb_counts) for ``Engine._router_losses``: every layer's (pooled) or the
+        stage's layers' (summed over layers); None where the stage counts by itself."""
+        expert = self.expert_counts
+        mb = None if self.mb_counts is None else self.mb_counts[index]
+        if not self.pooled:
+            expert = None if expert is None else expert[slots]
+            mb = None if mb is None else mb[slots]
+        return expert, mb
+
+    def add(self, slots: list[int], aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor) -> None:
+        self.aux = self.aux.to(aux.device) + aux
+        self.z = self.z.to(z.device) + z
+        for k, slot in enumerate(slots):
+            self.counts[slot] = self.counts[slot] + counts[k] if slot in self.counts else counts[k]

@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 import layout_cases as lc
 import lora_cases
+import moe_cases
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.pipeline import plan_pipeline
@@ -59,6 +60,12 @@ WIDE_CASES = (
     ("ppo", "prompt_mean", "rl"),
 )
 STEP_CASE = ("cross_entropy", "token_mean", "uneven")
+# MoE layouts (the model of moe_model_args) and router-loss cases (moe_cases.ROUTER_CONFIGS).
+MOE_LAYOUTS = {
+    2: ((2, 1, 1, 1, "1F1B"),),
+    4: ((2, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 2, "1F1B")),
+}
+MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
 # The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
 LORA_LAYOUT = (4, (2, 2, 1, 1, "1F1B"))
 
@@ -100,6 +107,15 @@ def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t for held in everyone for name, t in held.items()}
 
 
+def moe_model_args():
+    """A MoE model whose first two layers are dense: under pp2 the first stage routes nothing."""
+    return dataclasses.replace(moe_cases.model_args(), n_layers=4, mlp_only_layers=(0, 1))
+
+
+def moe_options(config) -> EngineOptions:
+    return dataclasses.replace(options("token_mean"), router=config)
+
+
 def run_pipeline_checks(world_size: int, results: dict) -> None:
     for pp, dp_shard, cp, tp, schedule in PIPELINE_LAYOUTS.get(world_size, ()):
         dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
@@ -107,6 +123,46 @@ def run_pipeline_checks(world_size: int, results: dict) -> None:
         _run_layout(dims, schedule, results)
         if (world_size, (pp, dp_shard, cp, tp, schedule)) == LORA_LAYOUT:
             _run_layout(dims, schedule, results, lora=True)
+    for pp, dp_shard, cp, tp, schedule in MOE_LAYOUTS.get(world_size, ()):
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
+        dims.build_meshes("cpu")
+        _run_moe_layout(dims, schedule, results)
+
+
+def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
+    """The router losses of every MoE case: gradients and logged values (moe/* included)."""
+    device = torch.device("cpu")
+    plan = plan_pipeline(4, dims.pp, dims.mesh("pp").get_local_rank(), schedule)
+    model = build_model(
+        moe_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
+    )
+    moe_cases.set_router_weights(model)
+    layout = layout_name(dims.pp, dims.dp_shard, dims.cp, dims.tp, schedule)
+    metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
+    for name in MOE_CASES:
+        engine = PipelineEngine(
+            model,
+            pipeline=plan,
+            optimizer=None,
+            lr_scheduler=None,
+            parallel_dims=dims,
+            device=device,
+            options=dataclasses.replace(moe_options(moe_cases.ROUTER_CONFIGS[name]), min_microbatches=plan.num_stages),
+        )
+        fb = engine.forward_backward(_share(lc.global_batch("uneven"), dims))
+        grads = _whole({fqn: p.grad for fqn, p in model.named_parameters() if p.grad is not None})
+        optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp")), "lr": lc.LR}
+        model.zero_grad(set_to_none=True)
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[NUM_LOSS_TOKENS],
+            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+            window_seconds=1.0,
+            data_stats={},
+        )
+        results[f"pipeline/moe/{layout}/{name}"] = {"grads": grads, "logged": logged}
 
 
 def _run_layout(dims: ParallelDims, schedule: str, results: dict, lora: bool = False) -> None:

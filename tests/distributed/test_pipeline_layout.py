@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import layout_cases as lc
 import lora_cases
+import moe_cases
 import pipeline_cases as pc
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -166,6 +167,51 @@ def test_adapters_trained_under_pipeline_export_like_one_process(layout_results)
             torch.testing.assert_close(got[name][key], tensor, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
 
 
+@functools.cache
+def moe_reference(name: str) -> dict:
+    """One process's gradients and logged values of a router-loss case of pipeline_cases."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    dims.build_meshes("cpu")
+    device = torch.device("cpu")
+    model = build_model(pc.moe_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
+    moe_cases.set_router_weights(model)
+    options = pc.moe_options(moe_cases.ROUTER_CONFIGS[name])
+    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
+    with lc.one_thread():
+        fb = engine.forward_backward(lc.global_batch("uneven"))
+        grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
+        optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+    metrics = MetricsLogger(dims, device, 0, tb_folder=None, num_params=1, flops_per_token_context=1)
+    logged = metrics.log(
+        1,
+        fb=fb,
+        optim=optim,
+        window_tokens=fb.counts[NUM_LOSS_TOKENS],
+        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+        window_seconds=1.0,
+        data_stats={},
+    )
+    return {"grads": grads, "logged": logged}
+
+
+@pytest.mark.parametrize("world", sorted(pc.MOE_LAYOUTS))
+def test_router_losses_of_stages_equal_one_process(layout_results, world):
+    """Each stage forms its share of the router losses from every layer's counts (a counting
+    pass through the pipeline first); a stage of dense layers routes nothing."""
+    for layout in (pc.layout_name(*layout) for layout in pc.MOE_LAYOUTS[world]):
+        for name in pc.MOE_CASES:
+            key = f"pipeline/moe/{layout}/{name}"
+            got, expected = layout_results[world][key], moe_reference(name)
+            assert got["grads"].keys() == expected["grads"].keys(), key
+            for fqn, grad in expected["grads"].items():
+                assert_rel_close(got["grads"][fqn], grad, f"{key} grad {fqn}")
+            assert got["logged"].keys() == expected["logged"].keys(), key
+            assert any(tag.startswith("moe/load_imbalance") for tag in expected["logged"])
+            for tag, value in expected["logged"].items():
+                if tag not in NOT_COMPARED:
+                    assert got["logged"][tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
+
+
 def test_every_pipeline_layout_and_case_was_run(layout_results):
     for world in pc.PIPELINE_LAYOUTS:
         keys = {key for key in layout_results[world] if key.startswith("pipeline/")}
@@ -174,4 +220,6 @@ def test_every_pipeline_layout_and_case_was_run(layout_results):
         if pc.LORA_LAYOUT[0] == world:
             lora = pc.layout_name(*pc.LORA_LAYOUT[1]) + "_lora"
             expected |= {f"pipeline/{lora}/forward", f"pipeline/{lora}/exports"}
+        for layout in pc.MOE_LAYOUTS.get(world, ()):
+            expected |= {f"pipeline/moe/{pc.layout_name(*layout)}/{name}" for name in pc.MOE_CASES}
         assert keys == expected, world

@@ -9,7 +9,15 @@ from test_config import assert_error, parse
 from torchtitan_rl.data.balance import spread_microbatches
 from torchtitan_rl.data.packing import pack, pad_microbatch
 from torchtitan_rl.data.sample import Sample
-from torchtitan_rl.distributed.pipeline import SCHEDULES, layer_ranges, num_stages_of, plan_pipeline, stage_ids
+from torchtitan_rl.distributed.pipeline import (
+    SCHEDULES,
+    is_multi_stage,
+    layer_ranges,
+    num_microbatches_for,
+    num_stages_of,
+    plan_pipeline,
+    stage_ids,
+)
 from torchtitan_rl.losses.reduction import local_counts
 
 
@@ -63,6 +71,16 @@ def test_splits_that_cannot_serve_the_schedule_are_named(args, fragments):
         assert fragment in str(error.value)
 
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("pp", [2, 4])
+def test_microbatch_count_is_the_fewest_the_schedule_accepts(schedule, pp):
+    for count in range(1, 20):
+        got = num_microbatches_for(schedule, count, pp)
+        # Brute force: the first count from here on that torch's rule accepts.
+        accepted = [n for n in range(max(count, pp), 40) if not is_multi_stage(schedule) or n % max(1, n // pp) == 0]
+        assert got == accepted[0], (count, got)
+
+
 def test_spread_splits_the_largest_micro_batch_in_order_until_the_count():
     lens = [5, 3, 8, 2, 2, 6]
     plan = spread_microbatches([[0, 1, 2], [3, 4, 5]], lens, 4)
@@ -113,8 +131,8 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
             ["pipeline_parallel_degree = 2", "parallelism.expert_parallel_degree"],
         ),
         (
-            ["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_moe"],
-            ["pipeline_parallel_degree = 2", "mixture-of-experts", "dense text model"],
+            ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "vlm", "--model.flavor", "debugmodel"],
+            ["pipeline_parallel_degree = 2", "a vision-language model", "use a text model"],
         ),
         (["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "0.6B"], ["ties the output head"]),
         (
@@ -126,6 +144,11 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
 )
 def test_pipeline_config_fails_closed(argv, fragments):
     assert_error(argv, *fragments)
+
+
+def test_pipeline_config_accepted_for_a_moe_model():
+    cfg = parse("--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_moe")
+    assert cfg.parallelism.pipeline_parallel_degree == 2
 
 
 def test_pipeline_config_accepted():

@@ -100,6 +100,17 @@ def num_stages_of(num_layers: int, pp: int, schedule: str, layers_per_stage: int
     return num_stages
 
 
+def num_microbatches_for(schedule: str, count: int, pp: int) -> int:
+    """The fewest micro-batches, at least ``count``, that the schedule runs over ``pp`` ranks:
+    at least one per rank; for the multi-stage schedules a multiple of their number of rounds
+    (``count // pp``), which torch requires."""
+    count = max(count, pp)
+    if is_multi_stage(schedule):
+        while count % max(1, count // pp):
+            count += 1
+    return count
+
+
 def stage_ids(schedule: str, pp_rank: int, pp: int, num_stages: int) -> list[int]:
     """The stages rank ``pp_rank`` of the pipeline holds, in the order the schedule takes them."""
     if schedule in V_SHAPED:
@@ -130,20 +141,29 @@ def plan_pipeline(num_layers: int, pp: int, pp_rank: int, schedule: str, layers_
     )
 
 
-def attach_microbatch_inputs(module: nn.Module, inputs_of: Callable[[int, tuple], tuple[tuple, dict]]) -> None:
+def attach_microbatch_inputs(
+    module: nn.Module,
+    inputs_of: Callable[[int, tuple], tuple[tuple, dict]],
+    output_of: Callable[[nn.Module, int, Any], torch.Tensor],
+) -> None:
     """Let the schedule call ``module`` with only ``microbatch=tensor([i])`` (plus the previous
-    stage's activations): ``inputs_of(i, activations)`` gives the call's real arguments. A
-    later call replaces ``inputs_of`` (the engine built last runs the module)."""
+    stage's activations): ``inputs_of(i, activations)`` gives the call's real arguments and
+    ``output_of(module, i, output)`` turns the module's output into the tensor the stage passes
+    on. A later call replaces both (the hooks are registered once)."""
     registered = hasattr(module, "_microbatch_inputs")
-    module._microbatch_inputs = inputs_of
+    module._microbatch_inputs, module._microbatch_output = inputs_of, output_of
     if registered:
         return
 
-    def hook(module, args, kwargs):
-        index = kwargs.pop(MICROBATCH_KWARG)
-        return module._microbatch_inputs(int(index), args)
+    def before(module, args, kwargs):
+        module._microbatch_index = int(kwargs.pop(MICROBATCH_KWARG))
+        return module._microbatch_inputs(module._microbatch_index, args)
 
-    module.register_forward_pre_hook(hook, with_kwargs=True)
+    def after(module, args, output):
+        return module._microbatch_output(module, module._microbatch_index, output)
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after)
 
 
 def run_schedule(

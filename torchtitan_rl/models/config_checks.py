@@ -49,9 +49,10 @@ def _check_pipeline_model(cfg, model_args, source: str) -> None:
         return
     model = source or f"model.flavor={cfg.model.flavor!r}"
     pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
-    if spec_for_args(model_args).takes_images or model_args.is_moe:
-        kind = "a vision-language model" if spec_for_args(model_args).takes_images else "a mixture-of-experts model"
-        raise ValueError(f"{pp}: {model} is {kind}, which pipeline parallel does not split yet; use a dense text model")
+    if spec_for_args(model_args).takes_images:
+        raise ValueError(
+            f"{pp}: {model} is a vision-language model, which pipeline parallel does not split yet; use a text model"
+        )
     if model_args.tie_embeddings:
         raise ValueError(
             f"{pp}: {model} ties the output head to the token embeddings, which the first and the last pipeline "

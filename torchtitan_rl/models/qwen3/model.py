@@ -296,10 +296,13 @@ class Qwen3Model(nn.Module):
                 stats.append(layer_stats)
             else:
                 h = layer(h, rotary, layer_attention)
-        counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
-        return (h if self.norm is None else self.norm(h)), RouterStats(
-            counts=counts, prob_sums=prob_sums, z_sums=z_sums
-        )
+        if stats:
+            counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
+        else:  # a pipeline stage of dense layers only
+            counts = prob_sums = h.new_zeros(0, moe_context.num_seqs, self.args.num_experts, dtype=torch.float32)
+            z_sums = h.new_zeros(0, moe_context.num_seqs, dtype=torch.float32)
+        h = h if self.norm is None else self.norm(h)
+        return h, RouterStats(counts=counts, prob_sums=prob_sums, z_sums=z_sums)
 
     def _moe_context(
         self, h: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor | None, num_seqs: int | None
