@@ -1,12 +1,14 @@
 """Pipeline parallel inside the shared multi-rank launch (``layout_worker.run_all_layouts``).
 
 Each layout of ``PIPELINE_LAYOUTS`` splits a deeper version of the layout model over its
-pipeline ranks, composed with FSDP and tensor parallel, and runs the cases below through a
-``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_mean and sum on more), the PPO
-loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence ratios, a
-clipped AdamW step, and the forward log-probs and entropies. Rank 0 records the whole gradient
-(every stage's, gathered), the logged metrics, the stepped weights and the log-probs, for
-test_pipeline_layout.py. Kept free of any reference computation.
+pipeline ranks, composed with FSDP, HSDP, tensor and context parallel, and runs the cases
+below through a ``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_mean and sum on
+more), the PPO loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence
+ratios, a clipped AdamW step, and the forward log-probs and entropies. ``LORA_LAYOUT`` also
+trains adapters and exports them (PEFT and merged); ``MOE_LAYOUTS`` run a MoE model whose first
+stage is dense under every router-loss case of ``MOE_CASES``. Rank 0 records the whole gradient
+(every stage's, gathered), the logged metrics, the stepped weights, the log-probs and the
+exports, for test_pipeline_layout.py. Kept free of any reference computation.
 """
 
 import dataclasses
@@ -35,17 +37,18 @@ from torchtitan_rl.recipes.base import build_model
 # Enough layers for two stages on each of 4 pipeline ranks.
 NUM_LAYERS = 8
 BUDGET = 24  # several micro-batches per rank
-# world size -> (pp, dp_shard, cp, tp, schedule) layouts.
+# world size -> (pp, dp_replicate, dp_shard, cp, tp, schedule) layouts.
 PIPELINE_LAYOUTS = {
-    2: ((2, 1, 1, 1, "1F1B"), (2, 1, 1, 1, "GPipe"), (2, 1, 1, 1, "ZBVZeroBubble")),
+    2: ((2, 1, 1, 1, 1, "1F1B"), (2, 1, 1, 1, 1, "GPipe"), (2, 1, 1, 1, 1, "ZBVZeroBubble")),
     4: (
-        (2, 2, 1, 1, "1F1B"),
-        (2, 1, 1, 2, "1F1B"),
-        (2, 1, 2, 1, "1F1B"),
-        (2, 2, 1, 1, "Interleaved1F1B"),
-        (4, 1, 1, 1, "InterleavedZeroBubble"),
+        (2, 1, 2, 1, 1, "1F1B"),
+        (2, 2, 1, 1, 1, "1F1B"),
+        (2, 1, 1, 1, 2, "1F1B"),
+        (2, 1, 1, 2, 1, "1F1B"),
+        (2, 1, 2, 1, 1, "Interleaved1F1B"),
+        (4, 1, 1, 1, 1, "InterleavedZeroBubble"),
     ),
-    8: ((2, 2, 1, 2, "1F1B"), (2, 1, 2, 2, "Interleaved1F1B")),
+    8: ((2, 1, 2, 1, 2, "1F1B"), (2, 1, 1, 2, 2, "Interleaved1F1B")),
 }
 # (loss_fn, reduction mode, data); the step case runs last. token_mean_legacy depends on the
 # micro-batch split on purpose, which a pipeline changes (it splits into more micro-batches).
@@ -62,12 +65,12 @@ WIDE_CASES = (
 STEP_CASE = ("cross_entropy", "token_mean", "uneven")
 # MoE layouts (the model of moe_model_args) and router-loss cases (moe_cases.ROUTER_CONFIGS).
 MOE_LAYOUTS = {
-    2: ((2, 1, 1, 1, "1F1B"),),
-    4: ((2, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 2, "1F1B")),
+    2: ((2, 1, 1, 1, 1, "1F1B"),),
+    4: ((2, 1, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 1, 2, "1F1B")),
 }
 MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
 # The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
-LORA_LAYOUT = (4, (2, 2, 1, 1, "1F1B"))
+LORA_LAYOUT = (4, (2, 1, 2, 1, 1, "1F1B"))
 
 
 def model_args():
@@ -86,8 +89,8 @@ def options(mode: str, max_norm: float = 0.0, min_microbatches: int = 1) -> Engi
     )
 
 
-def layout_name(pp: int, dp_shard: int, cp: int, tp: int, schedule: str) -> str:
-    return f"pp{pp}_shard{dp_shard}_cp{cp}_tp{tp}_{schedule}"
+def layout_name(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str) -> str:
+    return f"pp{pp}_rep{dp_replicate}_shard{dp_shard}_cp{cp}_tp{tp}_{schedule}"
 
 
 def case_key(layout: str, loss_fn: str, mode: str) -> str:
@@ -117,16 +120,20 @@ def moe_options(config) -> EngineOptions:
 
 
 def run_pipeline_checks(world_size: int, results: dict) -> None:
-    for pp, dp_shard, cp, tp, schedule in PIPELINE_LAYOUTS.get(world_size, ()):
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
-        dims.build_meshes("cpu")
+    for layout in PIPELINE_LAYOUTS.get(world_size, ()):
+        dims, schedule = _dims(world_size, *layout)
         _run_layout(dims, schedule, results)
-        if (world_size, (pp, dp_shard, cp, tp, schedule)) == LORA_LAYOUT:
+        if (world_size, layout) == LORA_LAYOUT:
             _run_layout(dims, schedule, results, lora=True)
-    for pp, dp_shard, cp, tp, schedule in MOE_LAYOUTS.get(world_size, ()):
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
-        dims.build_meshes("cpu")
+    for layout in MOE_LAYOUTS.get(world_size, ()):
+        dims, schedule = _dims(world_size, *layout)
         _run_moe_layout(dims, schedule, results)
+
+
+def _dims(world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str):
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
+    dims.build_meshes("cpu")
+    return dims, schedule
 
 
 def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
@@ -137,7 +144,7 @@ def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
         moe_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
     )
     moe_cases.set_router_weights(model)
-    layout = layout_name(dims.pp, dims.dp_shard, dims.cp, dims.tp, schedule)
+    layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule)
     metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
     for name in MOE_CASES:
         engine = PipelineEngine(
@@ -177,7 +184,9 @@ def _run_layout(dims: ParallelDims, schedule: str, results: dict, lora: bool = F
         pipeline=plan,
         lora=lora_cases.SETTINGS if lora else None,
     )
-    layout = layout_name(dims.pp, dims.dp_shard, dims.cp, dims.tp, schedule) + ("_lora" if lora else "")
+    layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule) + (
+        "_lora" if lora else ""
+    )
     if lora:
         lora_cases.set_adapters(model)
     optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)

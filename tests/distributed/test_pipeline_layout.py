@@ -1,6 +1,6 @@
 """Pipeline parallel does not change the gradient: every schedule and composition of
 pipeline_cases.PIPELINE_LAYOUTS (pp2 with 1F1B, GPipe and ZBV; pp2 x dp2 with 1F1B and
-Interleaved1F1B; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2 and
+Interleaved1F1B; HSDP pp2 x rep2; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2 and
 pp2 x cp2 x tp2 interleaved) against one
 process running the whole mini-batch through the whole model: gradients, every logged metric
 (rl/* included), the clipped AdamW step and the forward log-probs; with LoRA, the adapters'
@@ -144,9 +144,9 @@ def test_pipeline_forward_logprobs_equal_one_process(layout_results, world):
     )
     with lc.one_thread():
         expected = engine.forward(lc.global_batch("uneven"), with_entropy=True)
-    for (_, dp_shard, *_), layout in zip(pc.PIPELINE_LAYOUTS[world], _layouts(world)):
+    for (_, dp_replicate, dp_shard, *_), layout in zip(pc.PIPELINE_LAYOUTS[world], _layouts(world)):
         got = layout_results[world][f"pipeline/{layout}/forward"]
-        num = lc.GLOBAL_BATCH_SIZE // dp_shard
+        num = lc.GLOBAL_BATCH_SIZE // (dp_replicate * dp_shard)
         assert len(got["logprobs"]) == len(got["entropies"]) == num, layout
         start = got["rank"] * num  # rank 0's share of the batch
         for i in range(num):
