@@ -6,7 +6,7 @@ below through a ``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_
 more), the PPO loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence
 ratios, a clipped AdamW step, and the forward log-probs and entropies. ``LORA_LAYOUT`` also
 trains adapters and exports them (PEFT and merged); ``MOE_LAYOUTS`` run a MoE model whose first
-stage is dense under every router-loss case of ``MOE_CASES``. Rank 0 records the whole gradient
+stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel. Rank 0 records the whole gradient
 (every stage's, gathered), the logged metrics, the stepped weights, the log-probs and the
 exports, for test_pipeline_layout.py. Kept free of any reference computation.
 """
@@ -63,10 +63,11 @@ WIDE_CASES = (
     ("ppo", "prompt_mean", "rl"),
 )
 STEP_CASE = ("cross_entropy", "token_mean", "uneven")
-# MoE layouts (the model of moe_model_args) and router-loss cases (moe_cases.ROUTER_CONFIGS).
+# MoE layouts (the model of moe_model_args; a seventh entry is the expert parallel degree) and
+# router-loss cases (moe_cases.ROUTER_CONFIGS).
 MOE_LAYOUTS = {
     2: ((2, 1, 1, 1, 1, "1F1B"),),
-    4: ((2, 1, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 1, 2, "1F1B")),
+    4: ((2, 1, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "1F1B", 2)),
 }
 MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
 # The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
@@ -89,8 +90,8 @@ def options(mode: str, max_norm: float = 0.0, min_microbatches: int = 1) -> Engi
     )
 
 
-def layout_name(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str) -> str:
-    return f"pp{pp}_rep{dp_replicate}_shard{dp_shard}_cp{cp}_tp{tp}_{schedule}"
+def layout_name(pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str, ep: int = 1) -> str:
+    return f"pp{pp}_rep{dp_replicate}_shard{dp_shard}_cp{cp}_tp{tp}" + (f"_ep{ep}" if ep > 1 else "") + f"_{schedule}"
 
 
 def case_key(layout: str, loss_fn: str, mode: str) -> str:
@@ -130,8 +131,8 @@ def run_pipeline_checks(world_size: int, results: dict) -> None:
         _run_moe_layout(dims, schedule, results)
 
 
-def _dims(world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str):
-    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp)
+def _dims(world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str, ep: int = 1):
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, world_size=world_size, pp=pp, ep=ep)
     dims.build_meshes("cpu")
     return dims, schedule
 
@@ -144,7 +145,7 @@ def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
         moe_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
     )
     moe_cases.set_router_weights(model)
-    layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule)
+    layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule, dims.ep)
     metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
     for name in MOE_CASES:
         engine = PipelineEngine(

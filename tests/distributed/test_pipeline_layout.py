@@ -205,7 +205,10 @@ def test_router_losses_of_stages_equal_one_process(layout_results, world):
             assert got["grads"].keys() == expected["grads"].keys(), key
             for fqn, grad in expected["grads"].items():
                 assert_rel_close(got["grads"][fqn], grad, f"{key} grad {fqn}")
-            assert got["logged"].keys() == expected["logged"].keys(), key
+            extra = got["logged"].keys() - expected["logged"].keys()  # expert parallel's per-rank loads
+            assert expected["logged"].keys() <= got["logged"].keys(), key
+            assert {tag.startswith("moe/rank_imbalance/") for tag in extra} <= {True}, key
+            assert bool(extra) == ("_ep" in layout), key
             assert any(tag.startswith("moe/load_imbalance") for tag in expected["logged"])
             for tag, value in expected["logged"].items():
                 if tag not in NOT_COMPARED:

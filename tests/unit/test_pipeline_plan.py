@@ -127,10 +127,6 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
             ["pipeline_parallel_degree = 2", "job.recipe = 'sft' only", "'grpo'"],
         ),
         (
-            ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
-            ["pipeline_parallel_degree = 2", "parallelism.expert_parallel_degree"],
-        ),
-        (
             ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "vlm", "--model.flavor", "debugmodel"],
             ["pipeline_parallel_degree = 2", "a vision-language model", "use a text model"],
         ),
@@ -146,9 +142,16 @@ def test_pipeline_config_fails_closed(argv, fragments):
     assert_error(argv, *fragments)
 
 
-def test_pipeline_config_accepted_for_a_moe_model():
-    cfg = parse("--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "debugmodel_moe")
-    assert cfg.parallelism.pipeline_parallel_degree == 2
+def test_pipeline_config_accepted_for_a_moe_model_with_expert_parallel():
+    cfg = parse(
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--model.flavor",
+        "debugmodel_moe",
+        "--parallelism.expert_parallel_degree",
+        "2",
+    )
+    assert (cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.expert_parallel_degree) == (2, 2)
 
 
 def test_pipeline_config_accepted():

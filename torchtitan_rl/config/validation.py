@@ -336,13 +336,6 @@ def _check_pipeline(cfg) -> None:
     pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
     if cfg.job.recipe != "sft":
         raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' only, not {cfg.job.recipe!r}")
-    others = (
-        ("expert_parallel_degree", p.expert_parallel_degree > 1),
-        ("rollout_ranks", p.rollout_ranks > 0),
-    )
-    for key, set_ in others:
-        if set_:
-            raise ValueError(f"{pp}: not supported together with parallelism.{key} yet")
 
 
 def _check_compile(cfg) -> None:

@@ -190,16 +190,16 @@ class ParallelDims:
         world's dims (ep 2 of tp 4), which its dims cannot express. FSDP2 builds the experts'
         2-D (FSDP, ep) layout from two sub-meshes of this one.
         """
-        shape = (self.dp_replicate, self.expert_fsdp_degree, self.ep)
-        names = ("dp_replicate", "efsdp", "ep")
-        # The training ranks in the world mesh's order (they are a prefix of the launch).
-        ranks = torch.arange(self.world_size).reshape(shape)
-        if self.dp_replicate == 1:
-            ranks, shape, names = ranks[0], shape[1:], names[1:]
-        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=names)
-        # Sums over all of it (the experts' share of the gradient norm) then take one
-        # collective instead of one per dim.
-        mesh._flatten("expert_all")
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "efsdp": self.expert_fsdp_degree, "ep": self.ep}
+        # The training ranks in the world mesh's order (they are a prefix of the launch); a
+        # pipeline stage's ranks hold their own experts.
+        ranks = torch.arange(self.world_size).reshape(tuple(sizes.values()))
+        keep = [name for name, size in sizes.items() if size > 1 or name in ("efsdp", "ep")]
+        ranks = ranks.reshape([sizes[name] for name in keep])
+        mesh = DeviceMesh(device_type, ranks, mesh_dim_names=tuple(keep))
+        # Sums over a stage's part of it (the experts' share of the gradient norm) then take
+        # one collective instead of one per dim.
+        mesh[tuple(name for name in keep if name != "pp")]._flatten("expert_all")
         if not self.is_trainer:
             return {}  # a rollout rank took part in creating the groups; it holds no coordinate
         shard_dims = ("dp_replicate", "efsdp") if self.dp_replicate > 1 else "efsdp"
