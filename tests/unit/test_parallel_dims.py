@@ -215,3 +215,16 @@ def test_expert_parallel_degree_not_dividing_a_replica():
 
 def test_expert_parallel_degree_below_one():
     assert "parallelism.expert_parallel_degree must be >= 1, got 0" in error_of(1, 1, 1, 1, world_size=1, ep=0)
+
+
+def test_pipeline_degree_takes_its_share_of_the_world():
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=2, world_size=8, pp=2)
+    assert (dims.dp_shard, dims.batch_degree, dims.stage_size) == (2, 2, 4)
+    # Ranks are ordered (pp, dp_replicate, dp_shard, cp, tp): a stage's ranks are consecutive.
+    assert [dims.batch_rank_of(rank) for rank in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree \(3\) \* .* cannot infer"):
+        ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, world_size=8, pp=3)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree \(2\) \* .* = 8 does not equal the world size 4"):
+        ParallelDims(dp_replicate=1, dp_shard=4, cp=1, tp=1, world_size=4, pp=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_degree must be >= 1"):
+        ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1, pp=0)
