@@ -6,6 +6,7 @@ until ``optim_step`` (Tinker semantics).
 """
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
 from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.utils import all_reduce, host_max
+from torchtitan_rl.distributed.utils import all_reduce, full_tensor, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import (
     ForwardBackwardMetrics,
@@ -573,6 +574,29 @@ class Engine:
                 values = gather_from_cp_ranks(values, mb.cp_layout, cp_mesh)
             packed.extend(values[: sum(mb.seq_lens)].cpu().split(mb.seq_lens))
         return [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
+
+    def full_parameters(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, the whole parameter)`` for each of ``names``, in order, gathered when sharded
+        (a collective: every rank of the model's meshes asks for the same names)."""
+        params = dict(self.model.named_parameters())
+        for name in names:
+            yield name, full_tensor(params[name])
+
+    def over(
+        self, model: nn.Module, *, optimizer=None, lr_scheduler=None, options: EngineOptions | None = None
+    ) -> "Engine":
+        """An engine like this one (meshes, device, and unless given options) over ``model``, a
+        model of the same architecture and layout (this one's for other options or another
+        optimizer), with ``optimizer`` and ``lr_scheduler`` (None: forward passes only)."""
+        return type(self)(
+            model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            parallel_dims=self.parallel_dims,
+            device=self.device,
+            options=options or self.options,
+            autocast_dtype=self.autocast_dtype,
+        )
 
     def num_params(self) -> int:
         """The model's parameters (global sizes: a shard counts its whole parameter's)."""

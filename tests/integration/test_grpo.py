@@ -174,6 +174,8 @@ def layout_runs(tmp_path_factory) -> dict:
         launch(out / name, num_ranks, *options, *MULTI_TURN, *extra)
     for name, num_ranks, extra in PPO_RUNS:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *PPO, *extra)
+    for name, num_ranks, extra in PIPELINE_RUNS:
+        launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra)
     reward_model = random_reward_model(out / "reward_model")
     for name, num_ranks, extra in REWARD_MODEL_RUNS:
         launch(out / name, num_ranks, *options, "--training.steps", str(LAYOUT_STEPS), *extra, *reward_model)
@@ -197,6 +199,7 @@ def layout_runs(tmp_path_factory) -> dict:
             ("dp2_off", "dp2_tp2/baseline"),
             ("dp2_tp2", "dp2_tp2/test"),
             *((name, f"{name}") for name, _, _ in ASYNC_RUNS),
+            *((name, name) for name, _, _ in PIPELINE_RUNS),
             ("async_resumed", "async_resumed"),
             ("async_resumed_k0", "async_resumed_k0"),
             *((name, name) for name, _, _ in MULTI_TURN_RUNS),
@@ -273,6 +276,24 @@ PPO_RUNS = (
     ("ppo_dp2_tp2", 4, ("--parallelism.tensor_parallel_degree", "2")),
     ("ppo_cp2_rollout_rank", 3, ("--parallelism.context_parallel_degree", "2", *ROLLOUT_RANK)),
 )
+# Pipeline parallel: the policy (and its reference) split into two stages, the generator's
+# replica loaded from both; with tp 2 the step's generation is split over the four ranks that
+# hold the same samples (both stages' TP pairs).
+PIPELINE_RUNS = (
+    ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2")),
+    (
+        "pp2_tp2",
+        4,
+        (
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.pipeline_schedule",
+            "GPipe",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ),
+    ),
+)
 CRITIC_TAGS = (
     "critic/vf_loss",
     "critic/vf_clipfrac",
@@ -340,6 +361,17 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
     assert "rl/rollout_corr/kl_k3" in baseline  # the correction ran
     assert "time/old_logprobs_s" in baseline  # two mini-batches: pi_prox from a separate forward
     assert "on 4 training rank(s)" in layout_runs["tp_log"]
+
+
+@pytest.mark.parametrize("layout", [name for name, _, _ in PIPELINE_RUNS])
+def test_rl_steps_under_pipeline_parallel_equal_one_rank(layout_runs, layout):
+    """Generation from the weights of every stage, the pipelined reference and proximal passes
+    and the updates: every logged number of every step as on one rank."""
+    baseline, test = layout_runs["one"], layout_runs[layout]
+    for tag in LAYOUT_TAGS:
+        assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), (layout, tag)
+        for step, value in test[tag].items():
+            assert value == pytest.approx(baseline[tag][step], rel=1e-4, abs=1e-7), (layout, tag, step)
 
 
 @pytest.mark.parametrize("layout", ["async_k0_one", "async_k0_dp2"])

@@ -114,6 +114,9 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
     assert pad_microbatch(mb, mb.num_tokens) is mb
 
 
+GRPO = ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "grpo", "--loss.loss_fn", "ppo"]
+
+
 @pytest.mark.parametrize(
     "argv,fragments",
     [
@@ -123,9 +126,18 @@ def test_padding_to_a_length_adds_zero_weight_tokens_of_the_padding_sequence(pad
         ),
         (["--training.pipeline_microbatches", "4"], ["training.pipeline_microbatches", "pipeline_parallel_degree > 1"]),
         (
-            ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "grpo"],
-            ["pipeline_parallel_degree = 2", "job.recipe = 'sft' only", "'grpo'"],
+            ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "dpo", "--loss.loss_fn", "dpo"],
+            ["pipeline_parallel_degree = 2", "job.recipe = 'sft' or 'grpo', not 'dpo'"],
         ),
+        (
+            [*GRPO, "--parallelism.rollout_ranks", "1"],
+            ["pipeline_parallel_degree = 2", "not supported together with parallelism.rollout_ranks"],
+        ),
+        (
+            [*GRPO, "--rl.advantage", "gae", "--rl.group_size", "1"],
+            ["pipeline_parallel_degree = 2", "rl.advantage = 'gae' (the critic)"],
+        ),
+        ([*GRPO, "--rl.reward_model", "some/folder"], ["pipeline_parallel_degree = 2", "rl.reward_model"]),
         (
             ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "vlm", "--model.flavor", "debugmodel"],
             ["pipeline_parallel_degree = 2", "a vision-language model", "use a text model"],
@@ -152,6 +164,10 @@ def test_pipeline_config_accepted_for_a_moe_model_with_expert_parallel():
         "2",
     )
     assert (cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.expert_parallel_degree) == (2, 2)
+
+
+def test_pipeline_config_accepted_for_grpo():
+    assert parse(*GRPO).parallelism.pipeline_parallel_degree == 2
 
 
 def test_pipeline_config_accepted():

@@ -334,8 +334,16 @@ def _check_pipeline(cfg) -> None:
                     raise ValueError(f"{section}.{key}: only used with parallelism.pipeline_parallel_degree > 1")
         return
     pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
-    if cfg.job.recipe != "sft":
-        raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' only, not {cfg.job.recipe!r}")
+    if cfg.job.recipe not in ("sft", "grpo"):
+        raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' or 'grpo', not {cfg.job.recipe!r}")
+    others = (
+        ("parallelism.rollout_ranks", p.rollout_ranks > 0),
+        ("rl.advantage = 'gae' (the critic)", cfg.rl.advantage == "gae"),
+        ("rl.reward_model", bool(cfg.rl.reward_model)),
+    )
+    for key, on in others:
+        if on:
+            raise ValueError(f"{pp}: not supported together with {key} yet")
 
 
 def _check_compile(cfg) -> None:

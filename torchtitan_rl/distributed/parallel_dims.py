@@ -11,15 +11,18 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # activations between neighbouring stages, is outermost (across nodes).
 _MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
-# Flattened meshes: name -> the world-mesh dims it spans. None spans ``pp``: the stages of a
-# pipeline hold the same samples and different layers, so every sum over samples or tokens (and
-# over a layer's shards) stays within one stage.
+# Flattened meshes: name -> the world-mesh dims it spans. Only ``replica`` spans ``pp``: the
+# stages of a pipeline hold the same samples and different layers, so every sum over samples or
+# tokens (and over a layer's shards) stays within one stage.
 _FLATTENED = {
     "batch": ("dp_replicate", "dp_shard"),
     "fsdp": ("dp_shard", "cp"),
     "loss": ("dp_replicate", "dp_shard", "cp"),
     # The ranks of one DP replica: they hold the same samples (RL rollouts are shared among them).
     "cp_tp": ("cp", "tp"),
+    # Every rank holding the same samples: a replica's pipeline stages and CP / TP ranks (they
+    # split the step's generation and exchange the rollouts).
+    "replica": ("pp", "cp", "tp"),
     # The ranks of a replica, each with its own tokens: MoE experts are FSDP-sharded over them,
     # or split over their ``ep`` groups under expert parallel (see ``build_meshes``).
     "expert": ("dp_shard", "cp", "tp"),

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -202,3 +203,8 @@ def all_to_all_objects(outgoing: list[Any], mesh: DeviceMesh) -> list[Any]:
             out.append(pickle.loads(buffer[start : start + size]) if size else None)
         start += size
     return out
+
+
+def full_tensor(param: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly sharded) parameter: ``full_tensor()``, a collective, for a DTensor."""
+    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()

@@ -29,7 +29,6 @@ from torchtitan_rl.config import JobConfig
 from torchtitan_rl.data.loader import build_sft_dataloader
 from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.utils import failures_shared
-from torchtitan_rl.engine import Engine
 from torchtitan_rl.losses.loss_fns import LossMetrics, loss_fn_from_config, resolve_loss_fn
 from torchtitan_rl.losses.reduction import NUM_TOKENS
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
@@ -221,15 +220,7 @@ class GRPORecipe(Recipe):
         )
         scheduler = build_lr_scheduler(optimizer, rl.sft_warmup_steps, 0, "linear", 0.1)
         options = dataclasses.replace(self.engine.options, reduction="token_mean", temperature=1.0)
-        engine = Engine(
-            self.engine.model,
-            optimizer=optimizer,
-            lr_scheduler=scheduler,
-            parallel_dims=self.parallel_dims,
-            device=self.device,
-            options=options,
-            autocast_dtype=self.engine.autocast_dtype,
-        )
+        engine = self.engine.over(self.engine.model, optimizer=optimizer, lr_scheduler=scheduler, options=options)
         problems = self._warmup_problems()
         # With rl.sft_warmup_demonstration_steps, demonstrations alone first: what they teach (e.g.
         # copying a tool's result into the answer) is learned without direct answers to the same
@@ -433,7 +424,8 @@ class GRPORecipe(Recipe):
         """Load the policy (the weights after step ``version``) into the trainers' replica, unless
         it holds them already, counting the bytes taken. Collective over the training ranks."""
         if self.generator.version != version or not self.generator.is_loaded:
-            self._synced_bytes += self.generator.update_weights(self.engine.model, version)
+            names = [name for name, _ in self.generator.next_sync()]
+            self._synced_bytes += self.generator.load_weight_stream(self.engine.full_parameters(names), version)
 
     def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the
@@ -442,7 +434,7 @@ class GRPORecipe(Recipe):
         dims = self.parallel_dims
         # A failure on one rank stops all of them: the next collectives span every training rank.
         sampled = self.sampler.sample(
-            step, slots, dims.mesh("batch"), dims.mesh("cp_tp"), self._training_ranks(), times, self.rank == 0
+            step, slots, dims.mesh("batch"), dims.mesh("replica"), self._training_ranks(), times, self.rank == 0
         )
         return sampled.kept, dict(sampled.values), sampled.num_generated
 

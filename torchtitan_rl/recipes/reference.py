@@ -10,10 +10,10 @@ only while every adapter adds nothing, which a fresh run checks.
 import torch
 
 from torchtitan_rl.data.sample import Sample
+from torchtitan_rl.distributed.utils import full_tensor
 from torchtitan_rl.engine import Engine
 from torchtitan_rl.models.lora import adapters_disabled, lora_modules
-from torchtitan_rl.recipes.base import REDUCE_DTYPES, Recipe, build_model, compute_dtype, lora_settings
-from torchtitan_rl.rl.generator import full_tensor
+from torchtitan_rl.recipes.base import REDUCE_DTYPES, Recipe, build_model, compute_dtype, lora_settings, pipeline_plan
 
 
 class ReferencePolicy:
@@ -55,17 +55,10 @@ def _frozen_copy(recipe: Recipe) -> Engine:
         seed=cfg.debug.seed,
         param_dtype=compute_dtype(cfg, recipe.device),
         reduce_dtype=REDUCE_DTYPES[cfg.training.mixed_precision_reduce],
+        pipeline=pipeline_plan(cfg, recipe.parallel_dims, recipe.model_args.n_layers),
     )
     model.requires_grad_(False)
-    return Engine(
-        model,
-        optimizer=None,
-        lr_scheduler=None,
-        parallel_dims=recipe.parallel_dims,
-        device=recipe.device,
-        options=recipe.engine.options,
-        autocast_dtype=recipe.engine.autocast_dtype,
-    )
+    return recipe.engine.over(model)
 
 
 def base_logprobs(engine: Engine, samples: list[Sample]) -> list[torch.Tensor]:

@@ -48,9 +48,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_rows
+from torchtitan_rl.distributed.utils import full_tensor
 from torchtitan_rl.models.attention import AttentionState, build_attention_context
 from torchtitan_rl.models.lora import LoRASettings, adapted_module_name, add_adapters, is_adapter_key, merged_weight
 from torchtitan_rl.models.qwen3.args import Qwen3ModelArgs
@@ -90,11 +90,6 @@ class RolloutEngine(Protocol):
     ) -> list[Rollout]: ...
 
     def take_phase_seconds(self) -> dict[str, float]: ...  # phase -> seconds since the last call; reset
-
-
-def full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The whole of a (possibly sharded) parameter: ``full_tensor()``, a collective, for a DTensor."""
-    return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
 
 def sync_names(trains: dict[str, bool], full: bool) -> list[str]:

@@ -392,7 +392,7 @@ class RolloutLog:
         """Record the trained ``samples`` of this rank at ``step`` (collective over the training ranks)."""
         if not self.enabled:
             return
-        peers = self.parallel_dims.mesh("cp_tp")
+        peers = self.parallel_dims.mesh("replica")
         if peers is not None and peers.get_local_rank() != 0:
             return  # the first peer's samples are the same
         gathered = _gather(sample_batch(samples, step), self.parallel_dims.mesh("batch"))

@@ -43,8 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.utils import PeerFailedError
-from torchtitan_rl.rl.generator import full_tensor, sync_names
+from torchtitan_rl.distributed.utils import PeerFailedError, full_tensor
+from torchtitan_rl.rl.generator import sync_names
 from torchtitan_rl.rl.rollout_topology import RolloutTopology
 from torchtitan_rl.rl.rollouts import ScoredGroup, rank_prompt_slots
 

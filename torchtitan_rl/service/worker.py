@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_rl.distributed.clip import clip_grad_norm_
+from torchtitan_rl.distributed.utils import full_tensor
 from torchtitan_rl.engine import Engine
 from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.peft_checkpoint import save_peft_adapter
-from torchtitan_rl.rl.generator import full_tensor
 from torchtitan_rl.rl.rollouts import exchange_among_peers, split_among_peers
 from torchtitan_rl.service.checkpoints import PEFT_FOLDER, CheckpointStore, check_name, tinker_path
 from torchtitan_rl.service.clients import ClientPool, LoRAClientConfig
