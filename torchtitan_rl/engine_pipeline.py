@@ -39,6 +39,7 @@ from torchtitan_rl.losses.reduction import global_counts, token_weights
 from torchtitan_rl.losses.router import RouterMetrics
 from torchtitan_rl.models.attention import cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
+from torchtitan_rl.models.vlm.model import VisionInputs
 
 
 class PipelineEngine(Engine):
@@ -77,6 +78,8 @@ class PipelineEngine(Engine):
         mb = self._running[index]
         first = activations[0] if activations else mb.input_ids
         kwargs = {}
+        if not activations and mb.image_patches is not None:  # the first stage encodes the images
+            kwargs["vision"] = VisionInputs(mb.image_patches, mb.image_grids, mb.vision_index)
         cp_mesh = self.parallel_dims.mesh("cp")
         if cp_mesh is not None:
             # A CP share attends to the keys of every share of its micro-batch.
@@ -114,7 +117,8 @@ class PipelineEngine(Engine):
         batch = super()._agree(batch)
         dims = self.parallel_dims
         count = num_microbatches_for(self.plan.schedule, len(batch.whole), dims.pp)
-        whole = batch.whole + [padding_microbatch(1, batch.inputs) for _ in range(count - len(batch.whole))]
+        filler = [padding_microbatch(1, batch.inputs, self.options.vision) for _ in range(count - len(batch.whole))]
+        whole = batch.whole + filler
         if dims.mesh("cp") is None:
             length = max(mb.num_tokens for mb in whole)
             length = -(-length // self._pad_multiple()) * self._pad_multiple()

@@ -6,7 +6,8 @@ below through a ``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_
 more), the PPO loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence
 ratios, a clipped AdamW step, and the forward log-probs and entropies. ``LORA_LAYOUT`` also
 trains adapters and exports them (PEFT and merged); ``MOE_LAYOUTS`` run a MoE model whose first
-stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel. Rank 0 records the whole gradient
+stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel;
+``VLM_LAYOUTS`` a vision-language model whose first stage encodes the images. Rank 0 records the whole gradient
 (every stage's, gathered), the logged metrics, the stepped weights, the log-probs and the
 exports, for test_pipeline_layout.py. Kept free of any reference computation.
 """
@@ -23,6 +24,8 @@ from safetensors.torch import load_file
 import layout_cases as lc
 import lora_cases
 import moe_cases
+import vlm_cases
+from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.distributed.pipeline import plan_pipeline
@@ -70,6 +73,11 @@ MOE_LAYOUTS = {
     4: ((2, 1, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "1F1B", 2)),
 }
 MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
+# Vision-language layouts (the model of vlm_model_args, the batch of vlm_cases: images of uneven
+# counts and sizes, a DP rank without any): every VLM mode, then a clipped AdamW step.
+VLM_LAYOUTS = {2: ((2, 1, 1, 1, 1, "1F1B"),), 4: ((2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "Interleaved1F1B"))}
+VLM_BUDGET = (24, 16)  # tokens, vision patches
+VLM_CASES = (("token_mean", False), ("sequence_mean", False), ("token_mean", True))
 # The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
 LORA_LAYOUT = (4, (2, 1, 2, 1, 1, "1F1B"))
 
@@ -126,9 +134,70 @@ def run_pipeline_checks(world_size: int, results: dict) -> None:
         _run_layout(dims, schedule, results)
         if (world_size, layout) == LORA_LAYOUT:
             _run_layout(dims, schedule, results, lora=True)
+    for layout in VLM_LAYOUTS.get(world_size, ()):
+        dims, schedule = _dims(world_size, *layout)
+        _run_vlm_layout(dims, schedule, results)
     for layout in MOE_LAYOUTS.get(world_size, ()):
         dims, schedule = _dims(world_size, *layout)
         _run_moe_layout(dims, schedule, results)
+
+
+def vlm_model_args():
+    return dataclasses.replace(vlm_cases.model_args(), n_layers=4)
+
+
+def vlm_options(mode: str, max_norm: float = 0.0) -> EngineOptions:
+    return dataclasses.replace(
+        options(mode, max_norm),
+        max_tokens_per_microbatch=VLM_BUDGET[0],
+        max_patches_per_microbatch=VLM_BUDGET[1],
+        vision=VisionPacking(vlm_cases.PATCH_DIM, vlm_cases.MERGE),
+    )
+
+
+def _run_vlm_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
+    """The first stage encodes the images: every VLM mode's gradients and logged values, then a step."""
+    device = torch.device("cpu")
+    plan = plan_pipeline(4, dims.pp, dims.mesh("pp").get_local_rank(), schedule)
+    model = build_model(
+        vlm_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32, pipeline=plan
+    )
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule)
+    metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
+    for mode, step in VLM_CASES:
+        engine = PipelineEngine(
+            model,
+            pipeline=plan,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            parallel_dims=dims,
+            device=device,
+            options=dataclasses.replace(
+                vlm_options(mode, lc.MAX_NORM if step else 0.0), min_microbatches=plan.num_stages
+            ),
+        )
+        fb = engine.forward_backward(_share(vlm_cases.global_batch(), dims))
+        grads = _whole({fqn: p.grad for fqn, p in model.named_parameters() if p.grad is not None})
+        if step:
+            optim = engine.optim_step()
+        else:
+            optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp")), "lr": lc.LR}
+            model.zero_grad(set_to_none=True)
+        logged = metrics.log(
+            1,
+            fb=fb,
+            optim=optim,
+            window_tokens=fb.counts[NUM_LOSS_TOKENS],
+            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+            window_seconds=1.0,
+            data_stats={},
+        )
+        entry = {"grads": grads, "logged": logged}
+        if step:
+            entry["params"] = _whole(dict(model.named_parameters()))
+        results[f"pipeline/vlm/{layout}/{mode}" + ("/step" if step else "")] = entry
 
 
 def _dims(world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str, ep: int = 1):

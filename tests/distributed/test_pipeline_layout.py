@@ -4,7 +4,8 @@ Interleaved1F1B; HSDP pp2 x rep2; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZero
 pp2 x cp2 x tp2 interleaved) against one
 process running the whole mini-batch through the whole model: gradients, every logged metric
 (rl/* included), the clipped AdamW step and the forward log-probs; with LoRA, the adapters'
-step and the PEFT and merged exports the stages write together."""
+step and the PEFT and merged exports the stages write together; MoE router losses; a
+vision-language model."""
 
 import functools
 import tempfile
@@ -17,6 +18,7 @@ import layout_cases as lc
 import lora_cases
 import moe_cases
 import pipeline_cases as pc
+import vlm_cases
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine
@@ -215,6 +217,58 @@ def test_router_losses_of_stages_equal_one_process(layout_results, world):
                     assert got["logged"][tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
 
 
+@functools.cache
+def vlm_reference(mode: str, step: bool) -> dict:
+    """One process's gradients, logged values and stepped weights of a VLM case."""
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
+    dims.build_meshes("cpu")
+    device = torch.device("cpu")
+    model = build_model(pc.vlm_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    options = pc.vlm_options(mode, lc.MAX_NORM if step else 0.0)
+    engine = Engine(
+        model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+    )
+    with lc.one_thread():
+        fb = engine.forward_backward(vlm_cases.global_batch())
+        grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
+        optim = (
+            engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
+        )
+    metrics = MetricsLogger(dims, device, 0, tb_folder=None, num_params=1, flops_per_token_context=1)
+    logged = metrics.log(
+        1,
+        fb=fb,
+        optim=optim,
+        window_tokens=fb.counts[NUM_LOSS_TOKENS],
+        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+        window_seconds=1.0,
+        data_stats={},
+    )
+    return {"grads": grads, "logged": logged, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", sorted(pc.VLM_LAYOUTS))
+def test_vision_language_model_under_pipeline_equals_one_process(layout_results, world):
+    """The first stage encodes the images (the vision tower's gradient arrives from the later
+    stages through the merged features)."""
+    for layout in (pc.layout_name(*layout) for layout in pc.VLM_LAYOUTS[world]):
+        for mode, step in pc.VLM_CASES:
+            key = f"pipeline/vlm/{layout}/{mode}" + ("/step" if step else "")
+            got, expected = layout_results[world][key], vlm_reference(mode, step)
+            assert got["grads"].keys() == expected["grads"].keys(), key
+            assert any(fqn.startswith("vision_tower.") for fqn in expected["grads"])
+            for fqn, grad in expected["grads"].items():
+                assert_rel_close(got["grads"][fqn], grad, f"{key} grad {fqn}")
+            for tag, value in expected["logged"].items():
+                if tag not in NOT_COMPARED:
+                    assert got["logged"][tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
+            if step:
+                for fqn, param in expected["params"].items():
+                    torch.testing.assert_close(got["params"][fqn], param, rtol=1e-5, atol=1e-6, msg=f"{key} {fqn}")
+
+
 def test_every_pipeline_layout_and_case_was_run(layout_results):
     for world in pc.PIPELINE_LAYOUTS:
         keys = {key for key in layout_results[world] if key.startswith("pipeline/")}
@@ -223,6 +277,9 @@ def test_every_pipeline_layout_and_case_was_run(layout_results):
         if pc.LORA_LAYOUT[0] == world:
             lora = pc.layout_name(*pc.LORA_LAYOUT[1]) + "_lora"
             expected |= {f"pipeline/{lora}/forward", f"pipeline/{lora}/exports"}
+        for layout in pc.VLM_LAYOUTS.get(world, ()):
+            name = pc.layout_name(*layout)
+            expected |= {f"pipeline/vlm/{name}/{mode}" + ("/step" if step else "") for mode, step in pc.VLM_CASES}
         for layout in pc.MOE_LAYOUTS.get(world, ()):
             expected |= {f"pipeline/moe/{pc.layout_name(*layout)}/{name}" for name in pc.MOE_CASES}
         assert keys == expected, world

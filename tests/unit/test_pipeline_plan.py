@@ -138,10 +138,6 @@ GRPO = ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "grpo", "
             ["pipeline_parallel_degree = 2", "rl.advantage = 'gae' (the critic)"],
         ),
         ([*GRPO, "--rl.reward_model", "some/folder"], ["pipeline_parallel_degree = 2", "rl.reward_model"]),
-        (
-            ["--parallelism.pipeline_parallel_degree", "2", "--model.name", "vlm", "--model.flavor", "debugmodel"],
-            ["pipeline_parallel_degree = 2", "a vision-language model", "use a text model"],
-        ),
         (["--parallelism.pipeline_parallel_degree", "2", "--model.flavor", "0.6B"], ["ties the output head"]),
         (
             ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_schedule", "Interleaved1F1B"],

@@ -49,10 +49,6 @@ def _check_pipeline_model(cfg, model_args, source: str) -> None:
         return
     model = source or f"model.flavor={cfg.model.flavor!r}"
     pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
-    if spec_for_args(model_args).takes_images:
-        raise ValueError(
-            f"{pp}: {model} is a vision-language model, which pipeline parallel does not split yet; use a text model"
-        )
     if model_args.tie_embeddings:
         raise ValueError(
             f"{pp}: {model} ties the output head to the token embeddings, which the first and the last pipeline "

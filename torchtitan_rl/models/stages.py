@@ -14,8 +14,9 @@ from torch import nn
 from torchtitan_rl.models.lora import LoRASettings, add_adapters
 from torchtitan_rl.models.registry import spec_for_args
 
-# Modules outside the layers, by the stage that runs them.
-FIRST_STAGE_MODULES = ("tok_embeddings",)
+# Modules outside the layers, by the stage that runs them (a vision-language model's vision
+# tower and projector feed the first stage's embeddings).
+FIRST_STAGE_MODULES = ("tok_embeddings", "vision_tower", "projector")
 LAST_STAGE_MODULES = ("norm", "output", "score")
 
 
@@ -25,7 +26,8 @@ def stage_module(model: nn.Module, layers: range, first: bool, last: bool) -> nn
     stage = copy.deepcopy(model)
     _keep_layers(stage, set(layers))
     for name in () if first else FIRST_STAGE_MODULES:
-        setattr(stage, name, None)
+        if hasattr(stage, name):
+            setattr(stage, name, None)
     for name in () if last else LAST_STAGE_MODULES:
         if hasattr(stage, name):
             setattr(stage, name, None)

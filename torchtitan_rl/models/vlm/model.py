@@ -91,7 +91,10 @@ class VLMModel(Qwen3Model):
         self.projector = Projector(args)
 
     def blocks(self) -> list[nn.Module]:
-        return [*self.vision_tower.layers.values(), *super().blocks()]
+        vision = (
+            [] if self.vision_tower is None else list(self.vision_tower.layers.values())
+        )  # a later pipeline stage's
+        return [*vision, *super().blocks()]
 
     def encode_images(self, patches: torch.Tensor, grids: Sequence[tuple[int, int]]) -> torch.Tensor:
         """Projected image features ``[F, dim]``: per image ``(rows/m) * (cols/m)`` rows, row-major."""
@@ -116,7 +119,11 @@ class VLMModel(Qwen3Model):
     ) -> torch.Tensor:
         """Final-normed hidden states ``[T, dim]``, as ``Qwen3Model.forward``; ``vision=None``
         is text only. ``attention`` is the language model's (``Qwen3Model.run_layers``): the
-        vision tower always attends within each image."""
+        vision tower always attends within each image. A pipeline stage after the first
+        (``models.stages``: no embeddings, no vision tower) takes the previous stage's hidden
+        states."""
+        if self.tok_embeddings is None:
+            return self.run_layers(tokens, positions, seq_ids, attention=attention)
         check_packed_inputs(tokens, positions, seq_ids)
         h = self.tok_embeddings(tokens)
         if vision is not None:

@@ -27,7 +27,8 @@ def parallelize_vlm(
 ) -> None:
     # The vision units run before the decoder, so under the "default" reshard policy they are
     # never the last block of the forward.
-    vision_units = [*model.vision_tower.layers.values(), model.projector]
+    # A pipeline stage after the first has neither (models.stages).
+    vision_units = [] if model.vision_tower is None else [*model.vision_tower.layers.values(), model.projector]
     parallelize_qwen3(
         model,
         parallel_dims,
