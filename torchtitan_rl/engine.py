@@ -22,7 +22,8 @@ from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
 from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.utils import all_reduce, full_tensor, host_max
+from torchtitan_rl.distributed.pipeline import full_parameters
+from torchtitan_rl.distributed.utils import all_reduce, host_max
 from torchtitan_rl.losses.logprobs import token_logprobs, token_loss
 from torchtitan_rl.losses.loss_fns import (
     ForwardBackwardMetrics,
@@ -576,11 +577,9 @@ class Engine:
         return [packed[k] for k in sorted(range(len(packed)), key=batch.sample_order.__getitem__)]
 
     def full_parameters(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, the whole parameter)`` for each of ``names``, in order, gathered when sharded
-        (a collective: every rank of the model's meshes asks for the same names)."""
-        params = dict(self.model.named_parameters())
-        for name in names:
-            yield name, full_tensor(params[name])
+        """``(name, the whole parameter)`` for each of ``names``, in order
+        (``distributed.pipeline.full_parameters``: collective)."""
+        return full_parameters(self.model, names, self.parallel_dims.mesh("pp"))
 
     def over(
         self, model: nn.Module, *, optimizer=None, lr_scheduler=None, options: EngineOptions | None = None

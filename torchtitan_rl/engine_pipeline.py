@@ -11,7 +11,6 @@ nowhere. The last stage's results reach the other stages by one small broadcast,
 returns the same metrics.
 """
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -31,7 +30,7 @@ from torchtitan_rl.distributed.pipeline import (
     splits_backward,
     stage_ids,
 )
-from torchtitan_rl.distributed.utils import all_reduce, full_tensor
+from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.engine import Engine, ForwardResult, PreparedBatch, _loss_inputs, sequence_slots
 from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import ForwardBackwardMetrics, resolve_loss_fn
@@ -319,26 +318,6 @@ class PipelineEngine(Engine):
         box = [value]
         dist.broadcast_object_list(box, group=self.pp_mesh.get_group(), group_src=self._last_stage_rank)
         return box[0]
-
-    def full_parameters(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``Engine.full_parameters`` of the whole model: each parameter gathered within the
-        stage that holds it, then broadcast from that stage over the pipeline."""
-        held = {name: (p.shape, p.dtype) for name, p in self.model.named_parameters()}
-        everyone: list = [None] * self.parallel_dims.pp
-        dist.all_gather_object(everyone, held, group=self.pp_mesh.get_group())
-        owners = {}
-        for rank, part in enumerate(everyone):
-            for name, meta in part.items():
-                owners.setdefault(name, (rank, *meta))
-        params = dict(self.model.named_parameters())
-        for name in names:
-            owner, shape, dtype = owners[name]
-            if name in params:
-                value = full_tensor(params[name]).contiguous()
-            else:
-                value = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.broadcast(value, group=self.pp_mesh.get_group(), group_src=owner)
-            yield name, value
 
     def over(self, model, *, optimizer=None, lr_scheduler=None, options=None) -> "PipelineEngine":
         """``Engine.over``: ``model`` is split like this engine's."""

@@ -278,9 +278,11 @@ PPO_RUNS = (
 )
 # Pipeline parallel: the policy (and its reference) split into two stages, the generator's
 # replica loaded from both; with tp 2 the step's generation is split over the four ranks that
-# hold the same samples (both stages' TP pairs).
+# hold the same samples (both stages' TP pairs); with a rollout rank two steps ahead, the
+# weights it generates with come from both stages.
 PIPELINE_RUNS = (
     ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2")),
+    ("pp2_async_k2", 3, ("--parallelism.pipeline_parallel_degree", "2", *ASYNC_K2)),
     (
         "pp2_tp2",
         4,
@@ -366,8 +368,9 @@ def test_rl_steps_equal_on_one_rank_dp2_and_dp2_tp2_balanced_or_not(layout_runs)
 @pytest.mark.parametrize("layout", [name for name, _, _ in PIPELINE_RUNS])
 def test_rl_steps_under_pipeline_parallel_equal_one_rank(layout_runs, layout):
     """Generation from the weights of every stage, the pipelined reference and proximal passes
-    and the updates: every logged number of every step as on one rank."""
-    baseline, test = layout_runs["one"], layout_runs[layout]
+    and the updates: every logged number of every step as on one rank (with a rollout rank
+    generating ahead, as on dp 2 with it)."""
+    baseline, test = layout_runs["async_k2_dp2" if "async" in layout else "one"], layout_runs[layout]
     for tag in LAYOUT_TAGS:
         assert sorted(test[tag]) == list(range(1, LAYOUT_STEPS + 1)), (layout, tag)
         for step, value in test[tag].items():

@@ -130,10 +130,6 @@ GRPO = ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "grpo", "
             ["pipeline_parallel_degree = 2", "job.recipe = 'sft' or 'grpo', not 'dpo'"],
         ),
         (
-            [*GRPO, "--parallelism.rollout_ranks", "1"],
-            ["pipeline_parallel_degree = 2", "not supported together with parallelism.rollout_ranks"],
-        ),
-        (
             [*GRPO, "--rl.advantage", "gae", "--rl.group_size", "1"],
             ["pipeline_parallel_degree = 2", "rl.advantage = 'gae' (the critic)"],
         ),

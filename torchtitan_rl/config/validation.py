@@ -337,7 +337,6 @@ def _check_pipeline(cfg) -> None:
     if cfg.job.recipe not in ("sft", "grpo"):
         raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' or 'grpo', not {cfg.job.recipe!r}")
     others = (
-        ("parallelism.rollout_ranks", p.rollout_ranks > 0),
         ("rl.advantage = 'gae' (the critic)", cfg.rl.advantage == "gae"),
         ("rl.reward_model", bool(cfg.rl.reward_model)),
     )

@@ -12,7 +12,7 @@ between stages: their shape is the same for every micro-batch because the engine
 to the token budget.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+
+from torchtitan_rl.distributed.utils import full_tensor
 
 # parallelism.pipeline_schedule: name -> (torch's class, default stages per rank). The
 # multi-stage schedules loop over the stages (rank r holds r, r + pp, ...) except ZBV, whose
@@ -245,3 +247,32 @@ def _forward_in_order(
                 loss_fn(hidden, index)
             elif owner[stage + 1] != me:
                 dist.send(hidden.contiguous(), group=group, group_dst=owner[stage + 1])
+
+
+def full_parameters(
+    model: nn.Module, names: list[str], pp_mesh: DeviceMesh | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, the whole parameter)`` for each of ``names``, in order: gathered when sharded
+    (a collective of the ranks sharing it); under pipeline parallel (``pp_mesh``) gathered in
+    the stage that holds it and broadcast from there over the pipeline. Every rank of the model's
+    meshes asks for the same names."""
+    params = dict(model.named_parameters())
+    if pp_mesh is None:
+        for name in names:
+            yield name, full_tensor(params[name])
+        return
+    held = {name: (p.shape, p.dtype) for name, p in params.items()}
+    everyone: list = [None] * pp_mesh.size()
+    dist.all_gather_object(everyone, held, group=pp_mesh.get_group())
+    owners = {}
+    for rank, part in enumerate(everyone):
+        for name, meta in part.items():
+            owners.setdefault(name, (rank, *meta))
+    for name in names:
+        owner, shape, dtype = owners[name]
+        if name in params:
+            value = full_tensor(params[name]).contiguous()
+        else:
+            value = torch.empty(shape, dtype=dtype, device=pp_mesh.device_type)
+        dist.broadcast(value, group=pp_mesh.get_group(), group_src=owner)
+        yield name, value

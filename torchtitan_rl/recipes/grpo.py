@@ -35,6 +35,7 @@ from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.recipes.base import (
     Recipe,
     RunContext,
+    lora_settings,
     start_run,
 )
 from torchtitan_rl.recipes.critic import CRITIC_FOLDER, Critic
@@ -51,6 +52,7 @@ from torchtitan_rl.recipes.reference import ReferencePolicy
 from torchtitan_rl.recipes.rollout_worker import RolloutWorker
 from torchtitan_rl.rl.advantages import pass_at_k
 from torchtitan_rl.rl.env_rollouts import EpisodeRollout, EpisodeRunner
+from torchtitan_rl.rl.generator import trained_parameters
 from torchtitan_rl.rl.plugins import calling_user_code
 from torchtitan_rl.rl.proximal import proximal_source, set_proximal_logprobs
 from torchtitan_rl.rl.rollout_correction import RolloutCorrection, apply_rollout_correction
@@ -132,7 +134,10 @@ class GRPORecipe(Recipe):
                 comm.silent_peer_timeout_seconds,
                 comm.collective_timeout_seconds,
             )
-            sender = WeightSender(topology, generation_dtype(job_config, self.device), self.device)
+            sources = trained_parameters(self.model_args, lora_settings(job_config), job_config.model.freeze_vision)
+            sender = WeightSender(
+                topology, generation_dtype(job_config, self.device), self.device, sources, dims.mesh("pp")
+            )
             slots = rank_prompt_slots(rl.prompts_per_step, rl.num_minibatches, dims.batch_rank(), dims.batch_degree)
             self.rollout_client = RolloutClient(
                 topology,

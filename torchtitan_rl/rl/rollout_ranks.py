@@ -43,7 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.utils import PeerFailedError, full_tensor
+from torchtitan_rl.distributed.pipeline import full_parameters
+from torchtitan_rl.distributed.utils import PeerFailedError
 from torchtitan_rl.rl.generator import sync_names
 from torchtitan_rl.rl.rollout_topology import RolloutTopology
 from torchtitan_rl.rl.rollouts import ScoredGroup, rank_prompt_slots
@@ -246,10 +247,23 @@ class WeightSender:
     generating, rather than hold a second copy of the model.
 
     The first send carries every parameter (the rollout ranks start without weights, also in a
-    resumed run), later ones only those that train (``sync_names``)."""
+    resumed run), later ones only those that train (``sync_names``).
 
-    def __init__(self, topology: RolloutTopology, dtype: torch.dtype, device: torch.device):
+    ``sources`` (``generator.trained_parameters``: name -> (shape, trains) of the whole model)
+    names what is sent when the training ranks hold pipeline stages (``pp_mesh``), each with a
+    part of the parameters: each is then gathered in its stage and broadcast over the pipeline
+    to rank 0 (``distributed.pipeline.full_parameters``). None: the model's own."""
+
+    def __init__(
+        self,
+        topology: RolloutTopology,
+        dtype: torch.dtype,
+        device: torch.device,
+        sources: dict[str, tuple[torch.Size, bool]] | None = None,
+        pp_mesh: DeviceMesh | None = None,
+    ):
         self.topology, self.dtype, self.device = topology, dtype, device
+        self.sources, self.pp_mesh = sources, pp_mesh
         self.is_sender = dist.get_rank() == 0
         self._pending: list[tuple[Any, torch.Tensor]] = []  # broadcasts in flight, oldest first
         self._sent_full = False
@@ -260,10 +274,11 @@ class WeightSender:
         self.wait()
         waited = f"the rollout ranks to take the weights of version {version}"
         self.topology.meet(f"weights/{version}", self.is_sender, f"waiting for {waited}")
-        params = dict(model.named_parameters())
+        sources = self.sources or {name: (p.shape, p.requires_grad) for name, p in model.named_parameters()}
         full = not self._sent_full
-        names = sync_names({name: p.requires_grad for name, p in params.items()}, full)
-        shapes = [params[name].shape for name in names]  # global shapes, DTensor or not
+        names = sync_names({name: trains for name, (_, trains) in sources.items()}, full)
+        shapes = [sources[name][0] for name in names]  # global shapes, DTensor or not
+        values = full_parameters(model, names, self.pp_mesh)
         numels = [shape.numel() for shape in shapes]
         header = torch.tensor(weights_header(version, full, names, shapes), dtype=torch.int64)
         group = self.topology.weight_group
@@ -271,14 +286,14 @@ class WeightSender:
             self._pending = [(dist.broadcast(header, src=0, group=group, async_op=True), header)]
         for bucket in weight_buckets(numels, self.dtype.itemsize, BUCKET_BYTES):
             if not self.is_sender:
-                for i in bucket:
-                    full_tensor(params[names[i]])  # joins the gather; the result is dropped at once
+                for _ in bucket:
+                    next(values)  # joins the gather; the result is dropped at once
                 continue
             self._wait_until(1)
             flat = torch.empty(sum(numels[i] for i in bucket), dtype=self.dtype, device=self.device)
             offset = 0
             for i in bucket:
-                flat[offset : offset + numels[i]].copy_(full_tensor(params[names[i]]).reshape(-1))
+                flat[offset : offset + numels[i]].copy_(next(values)[1].reshape(-1))
                 offset += numels[i]
             self._pending.append((dist.broadcast(flat, src=0, group=group, async_op=True), flat))
         self._sent_full = True
