@@ -595,7 +595,12 @@ class Engine:
             device=self.device,
             options=options or self.options,
             autocast_dtype=self.autocast_dtype,
+            **self._layout_kwargs(),
         )
+
+    def _layout_kwargs(self) -> dict[str, Any]:
+        """What a subclass's constructor takes besides the engine's (``over`` passes it on)."""
+        return {}
 
     def num_params(self) -> int:
         """The model's parameters (global sizes: a shard counts its whole parameter's)."""

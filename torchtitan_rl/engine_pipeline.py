@@ -319,19 +319,9 @@ class PipelineEngine(Engine):
         dist.broadcast_object_list(box, group=self.pp_mesh.get_group(), group_src=self._last_stage_rank)
         return box[0]
 
-    def over(self, model, *, optimizer=None, lr_scheduler=None, options=None) -> "PipelineEngine":
-        """``Engine.over``: ``model`` is split like this engine's."""
-        return PipelineEngine(
-            model,
-            pipeline=self.plan,
-            activation_dtype=self.activation_dtype,
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            parallel_dims=self.parallel_dims,
-            device=self.device,
-            options=options or self.options,
-            autocast_dtype=self.autocast_dtype,
-        )
+    def _layout_kwargs(self) -> dict[str, Any]:
+        # ``over``: another model is split like this engine's.
+        return {"pipeline": self.plan, "activation_dtype": self.activation_dtype}
 
     def num_params(self) -> int:
         """The whole model's parameters: every stage's."""

@@ -112,11 +112,39 @@ def _share(samples: list, dims: ParallelDims) -> list:
 
 
 def _whole(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every stage's ``{name: full tensor}`` merged, on every rank (collective)."""
+    """Every stage's ``{name: full tensor}`` merged, on every rank (collective when launched)."""
     mine = {name: lc.full(t) for name, t in tensors.items()}
+    if not dist.is_initialized():
+        return mine
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {name: t for held in everyone for name, t in held.items()}
+
+
+def record(engine, fb, metrics: MetricsLogger, step: bool) -> dict:
+    """What a case leaves: the whole gradient, what the metrics logger logs (a window of one
+    second whose tokens are the loss tokens) and, after a ``step`` (a clipped AdamW step), the
+    weights; without one the gradient is cleared. Pipelined or not (the references)."""
+    model, pp_mesh = engine.model, engine.parallel_dims.mesh("pp")
+    grads = _whole({fqn: p.grad for fqn, p in model.named_parameters() if p.grad is not None})
+    if step:
+        optim = engine.optim_step()
+    else:
+        optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0, pp_mesh), "lr": lc.LR}
+        model.zero_grad(set_to_none=True)
+    logged = metrics.log(
+        1,
+        fb=fb,
+        optim=optim,
+        window_tokens=fb.counts[NUM_LOSS_TOKENS],
+        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
+        window_seconds=1.0,
+        data_stats={},
+    )
+    entry = {"grads": grads, "logged": logged}
+    if step:
+        entry["params"] = _whole(dict(model.named_parameters()))
+    return entry
 
 
 def moe_model_args():
@@ -179,25 +207,7 @@ def _run_vlm_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
             ),
         )
         fb = engine.forward_backward(_share(vlm_cases.global_batch(), dims))
-        grads = _whole({fqn: p.grad for fqn, p in model.named_parameters() if p.grad is not None})
-        if step:
-            optim = engine.optim_step()
-        else:
-            optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp")), "lr": lc.LR}
-            model.zero_grad(set_to_none=True)
-        logged = metrics.log(
-            1,
-            fb=fb,
-            optim=optim,
-            window_tokens=fb.counts[NUM_LOSS_TOKENS],
-            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-            window_seconds=1.0,
-            data_stats={},
-        )
-        entry = {"grads": grads, "logged": logged}
-        if step:
-            entry["params"] = _whole(dict(model.named_parameters()))
-        results[f"pipeline/vlm/{layout}/{mode}" + ("/step" if step else "")] = entry
+        results[f"pipeline/vlm/{layout}/{mode}" + ("/step" if step else "")] = record(engine, fb, metrics, step)
 
 
 def _dims(world_size: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int, schedule: str, ep: int = 1):
@@ -227,19 +237,7 @@ def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
             options=dataclasses.replace(moe_options(moe_cases.ROUTER_CONFIGS[name]), min_microbatches=plan.num_stages),
         )
         fb = engine.forward_backward(_share(lc.global_batch("uneven"), dims))
-        grads = _whole({fqn: p.grad for fqn, p in model.named_parameters() if p.grad is not None})
-        optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp")), "lr": lc.LR}
-        model.zero_grad(set_to_none=True)
-        logged = metrics.log(
-            1,
-            fb=fb,
-            optim=optim,
-            window_tokens=fb.counts[NUM_LOSS_TOKENS],
-            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-            window_seconds=1.0,
-            data_stats={},
-        )
-        results[f"pipeline/moe/{layout}/{name}"] = {"grads": grads, "logged": logged}
+        results[f"pipeline/moe/{layout}/{name}"] = record(engine, fb, metrics, step=False)
 
 
 def _run_layout(dims: ParallelDims, schedule: str, results: dict, lora: bool = False) -> None:
@@ -285,26 +283,7 @@ def _run_layout(dims: ParallelDims, schedule: str, results: dict, lora: bool = F
         step = index == len(cases)
         run = engine(mode, lc.MAX_NORM if step else 0.0)
         fb = run.forward_backward(_share(lc.global_batch(data), dims), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
-        grads = _whole({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
-        if step:
-            optim = run.optim_step()
-        else:
-            grad_norm = clip_grad_norm_(list(model.parameters()), 0.0, dims.mesh("pp"))
-            optim = {"grad_norm": grad_norm, "lr": lc.LR}
-            model.zero_grad(set_to_none=True)
-        logged = metrics.log(
-            1,
-            fb=fb,
-            optim=optim,
-            window_tokens=fb.counts[NUM_LOSS_TOKENS],
-            window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-            window_seconds=1.0,
-            data_stats={},
-        )
-        entry = {"grads": grads, "logged": logged}
-        if step:
-            entry["params"] = _whole(dict(model.named_parameters()))
-        results[case_key(layout, loss_fn, mode) + ("/step" if step else "")] = entry
+        results[case_key(layout, loss_fn, mode) + ("/step" if step else "")] = record(run, fb, metrics, step)
     if lora:
         results[f"pipeline/{layout}/exports"] = _exports(model)
 

@@ -19,10 +19,8 @@ import lora_cases
 import moe_cases
 import pipeline_cases as pc
 import vlm_cases
-from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine
-from torchtitan_rl.losses.reduction import NUM_LOSS_TOKENS
 from torchtitan_rl.metrics import MetricsLogger
 from torchtitan_rl.optim import build_lr_scheduler, build_optimizer
 from torchtitan_rl.peft_checkpoint import save_merged_hf, save_peft_adapter
@@ -34,55 +32,47 @@ NOT_COMPARED = ("memory/peak_rss(GiB)", "throughput(tps)")
 EXPORT_FILES = {"adapter": "adapter_model.safetensors", "merged": "model.safetensors"}
 
 
-def _one_process(lora: bool = False):
+def _one_rank() -> ParallelDims:
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
     dims.build_meshes("cpu")
-    model = build_model(
-        pc.model_args(),
-        parallel_dims=dims,
-        device=torch.device("cpu"),
-        seed=lc.SEED,
-        param_dtype=torch.float32,
-        lora=lora_cases.SETTINGS if lora else None,
+    return dims
+
+
+def _built(args, lora=None):
+    """The model of ``args`` on one process, initialized as in every layout."""
+    return build_model(
+        args, parallel_dims=_one_rank(), device=torch.device("cpu"), seed=lc.SEED, param_dtype=torch.float32, lora=lora
     )
+
+
+def _one_process(lora: bool = False):
+    model = _built(pc.model_args(), lora_cases.SETTINGS if lora else None)
     if lora:
         lora_cases.set_adapters(model)
-    return dims, model
+    return model
+
+
+def _one_process_case(model, options, samples, step: bool, loss_fn: str = "cross_entropy") -> dict:
+    """``pipeline_cases.record`` of one process running ``samples`` whole through ``model``."""
+    dims, device = _one_rank(), torch.device("cpu")
+    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    engine = Engine(
+        model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
+    )
+    metrics = MetricsLogger(dims, device, 0, tb_folder=None, num_params=1, flops_per_token_context=1)
+    with lc.one_thread():
+        fb = engine.forward_backward(samples, loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
+        return pc.record(engine, fb, metrics, step)
 
 
 @functools.cache
 def reference(loss_fn: str, mode: str, data: str, step: bool, lora: bool = False) -> dict:
     """What one process logs and holds after the case, from the initial weights (with
     ``lora``, also what it exports)."""
-    dims, model = _one_process(lora)
-    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
-    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
-    engine = Engine(
-        model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        parallel_dims=dims,
-        device=torch.device("cpu"),
-        options=pc.options(mode, lc.MAX_NORM if step else 0.0),
-    )
-    with lc.one_thread():
-        fb = engine.forward_backward(lc.global_batch(data), loss_fn, lc.RL_LOSS_FNS.get(loss_fn))
-        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-        if step:
-            optim = engine.optim_step()
-        else:
-            optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
-    metrics = MetricsLogger(dims, torch.device("cpu"), 0, tb_folder=None, num_params=1, flops_per_token_context=1)
-    logged = metrics.log(
-        1,
-        fb=fb,
-        optim=optim,
-        window_tokens=fb.counts[NUM_LOSS_TOKENS],
-        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-        window_seconds=1.0,
-        data_stats={},
-    )
-    entry = {"grads": grads, "logged": logged, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    model = _one_process(lora)
+    options = pc.options(mode, lc.MAX_NORM if step else 0.0)
+    entry = _one_process_case(model, options, lc.global_batch(data), step, loss_fn)
     if lora:
         with tempfile.TemporaryDirectory() as folder:
             save_peft_adapter(model, f"{folder}/adapter", lora_cases.SETTINGS, torch.float32)
@@ -139,10 +129,14 @@ def test_pipeline_gradients_metrics_and_step_equal_one_process(layout_results, w
 
 @pytest.mark.parametrize("world", sorted(pc.PIPELINE_LAYOUTS))
 def test_pipeline_forward_logprobs_equal_one_process(layout_results, world):
-    dims, model = _one_process()
     options = pc.options("token_mean")
     engine = Engine(
-        model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=torch.device("cpu"), options=options
+        _one_process(),
+        optimizer=None,
+        lr_scheduler=None,
+        parallel_dims=_one_rank(),
+        device=torch.device("cpu"),
+        options=options,
     )
     with lc.one_thread():
         expected = engine.forward(lc.global_batch("uneven"), with_entropy=True)
@@ -172,28 +166,9 @@ def test_adapters_trained_under_pipeline_export_like_one_process(layout_results)
 @functools.cache
 def moe_reference(name: str) -> dict:
     """One process's gradients and logged values of a router-loss case of pipeline_cases."""
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    dims.build_meshes("cpu")
-    device = torch.device("cpu")
-    model = build_model(pc.moe_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
+    model = _built(pc.moe_model_args())
     moe_cases.set_router_weights(model)
-    options = pc.moe_options(moe_cases.ROUTER_CONFIGS[name])
-    engine = Engine(model, optimizer=None, lr_scheduler=None, parallel_dims=dims, device=device, options=options)
-    with lc.one_thread():
-        fb = engine.forward_backward(lc.global_batch("uneven"))
-        grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
-        optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
-    metrics = MetricsLogger(dims, device, 0, tb_folder=None, num_params=1, flops_per_token_context=1)
-    logged = metrics.log(
-        1,
-        fb=fb,
-        optim=optim,
-        window_tokens=fb.counts[NUM_LOSS_TOKENS],
-        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-        window_seconds=1.0,
-        data_stats={},
-    )
-    return {"grads": grads, "logged": logged}
+    return _one_process_case(model, pc.moe_options(moe_cases.ROUTER_CONFIGS[name]), lc.global_batch("uneven"), False)
 
 
 @pytest.mark.parametrize("world", sorted(pc.MOE_LAYOUTS))
@@ -220,33 +195,8 @@ def test_router_losses_of_stages_equal_one_process(layout_results, world):
 @functools.cache
 def vlm_reference(mode: str, step: bool) -> dict:
     """One process's gradients, logged values and stepped weights of a VLM case."""
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, world_size=1)
-    dims.build_meshes("cpu")
-    device = torch.device("cpu")
-    model = build_model(pc.vlm_model_args(), parallel_dims=dims, device=device, seed=lc.SEED, param_dtype=torch.float32)
-    optimizer = build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
-    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
     options = pc.vlm_options(mode, lc.MAX_NORM if step else 0.0)
-    engine = Engine(
-        model, optimizer=optimizer, lr_scheduler=scheduler, parallel_dims=dims, device=device, options=options
-    )
-    with lc.one_thread():
-        fb = engine.forward_backward(vlm_cases.global_batch())
-        grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters()}
-        optim = (
-            engine.optim_step() if step else {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
-        )
-    metrics = MetricsLogger(dims, device, 0, tb_folder=None, num_params=1, flops_per_token_context=1)
-    logged = metrics.log(
-        1,
-        fb=fb,
-        optim=optim,
-        window_tokens=fb.counts[NUM_LOSS_TOKENS],
-        window_squared_lens=fb.counts[NUM_LOSS_TOKENS],
-        window_seconds=1.0,
-        data_stats={},
-    )
-    return {"grads": grads, "logged": logged, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return _one_process_case(_built(pc.vlm_model_args()), options, vlm_cases.global_batch(), step)
 
 
 @pytest.mark.parametrize("world", sorted(pc.VLM_LAYOUTS))
