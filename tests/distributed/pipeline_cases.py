@@ -7,24 +7,28 @@ more), the PPO loss with KL, entropy and rollout weights under prompt_mean, GSPO
 ratios, a clipped AdamW step, and the forward log-probs and entropies. ``LORA_LAYOUT`` also
 trains adapters and exports them (PEFT and merged); ``MOE_LAYOUTS`` run a MoE model whose first
 stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel;
-``VLM_LAYOUTS`` a vision-language model whose first stage encodes the images. Rank 0 records the whole gradient
+``VLM_LAYOUTS`` a vision-language model whose first stage encodes the images. On 4 ranks a
+checkpoint of one split loads into another split and into no pipeline. Rank 0 records the whole gradient
 (every stage's, gathered), the logged metrics, the stepped weights, the log-probs and the
 exports, for test_pipeline_layout.py. Kept free of any reference computation.
 """
 
 import dataclasses
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 import layout_cases as lc
 import lora_cases
 import moe_cases
 import vlm_cases
+from torchtitan_rl.checkpoint import _ModelState, _OptimizerState
 from torchtitan_rl.data.packing import VisionPacking
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
@@ -78,6 +82,8 @@ MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
 VLM_LAYOUTS = {2: ((2, 1, 1, 1, 1, "1F1B"),), 4: ((2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "Interleaved1F1B"))}
 VLM_BUDGET = (24, 16)  # tokens, vision patches
 VLM_CASES = (("token_mean", False), ("sequence_mean", False), ("token_mean", True))
+# The world size whose launch checks a checkpoint across pipeline splits and degrees.
+CHECKPOINT_WORLD = 4
 # The layout that also trains adapters (lora_cases.SETTINGS) and exports them: (world size, layout).
 LORA_LAYOUT = (4, (2, 1, 2, 1, 1, "1F1B"))
 
@@ -162,12 +168,83 @@ def run_pipeline_checks(world_size: int, results: dict) -> None:
         _run_layout(dims, schedule, results)
         if (world_size, layout) == LORA_LAYOUT:
             _run_layout(dims, schedule, results, lora=True)
+    if world_size == CHECKPOINT_WORLD:
+        _run_checkpoint_across_splits(world_size, results)
     for layout in VLM_LAYOUTS.get(world_size, ()):
         dims, schedule = _dims(world_size, *layout)
         _run_vlm_layout(dims, schedule, results)
     for layout in MOE_LAYOUTS.get(world_size, ()):
         dims, schedule = _dims(world_size, *layout)
         _run_moe_layout(dims, schedule, results)
+
+
+def _run_checkpoint_across_splits(world_size: int, results: dict) -> None:
+    """A training checkpoint (weights and AdamW moments, through the checkpoint module's own
+    stateful wrappers) of pp2 x dp2 split 6 + 2 after a clipped step, loaded by pp2 x dp2 under
+    Interleaved1F1B (4 stages of 2 layers, two per rank) and by dp4 without pipeline."""
+    box = [tempfile.mkdtemp(prefix="pp_checkpoints_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    path = os.path.join(box[0], "step")
+    source, _ = _dims(world_size, 2, 1, 2, 1, 1, "1F1B")
+    plan = plan_pipeline(NUM_LAYERS, 2, source.mesh("pp").get_local_rank(), "1F1B", layers_per_stage=6)
+    model, optimizer = _trainable(source, plan)
+    scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
+    engine = PipelineEngine(
+        model,
+        pipeline=plan,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        parallel_dims=source,
+        device=torch.device("cpu"),
+        options=options("token_mean", lc.MAX_NORM, min_microbatches=plan.num_stages),
+    )
+    engine.forward_backward(_share(lc.global_batch("uneven"), source))
+    engine.optim_step()
+    dcp.save(_training_state(model, optimizer), checkpoint_id=path)
+    results["pipeline/checkpoint/trained"] = _snapshot(model, optimizer)
+    interleaved, _ = _dims(world_size, 2, 1, 2, 1, 1, "Interleaved1F1B")
+    targets = {
+        "interleaved": (
+            interleaved,
+            plan_pipeline(NUM_LAYERS, 2, interleaved.mesh("pp").get_local_rank(), "Interleaved1F1B"),
+        ),
+        "dp4": (_dims(world_size, 1, 1, 4, 1, 1, "1F1B")[0], None),
+    }
+    for name, (dims, target_plan) in targets.items():
+        model, optimizer = _trainable(dims, target_plan, seed=lc.SEED + 1)
+        dcp.load(_training_state(model, optimizer), checkpoint_id=path)
+        results[f"pipeline/checkpoint/{name}"] = _snapshot(model, optimizer)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0])
+
+
+def _trainable(dims: ParallelDims, plan, seed: int = lc.SEED):
+    """The deeper layout model (pipelined by ``plan``, if any) and its AdamW."""
+    model = build_model(
+        model_args(),
+        parallel_dims=dims,
+        device=torch.device("cpu"),
+        seed=seed,
+        param_dtype=torch.float32,
+        pipeline=plan,
+    )
+    return model, build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
+
+
+def _training_state(model, optimizer) -> dict:
+    return {"model": _ModelState(model), "optimizer": _OptimizerState(model, optimizer)}
+
+
+def _snapshot(model, optimizer) -> dict:
+    """Every stage's whole weights and AdamW moments."""
+    moments = {
+        f"{fqn}/{name}": value
+        for fqn, param in model.named_parameters()
+        for name, value in optimizer.state[param].items()
+        if name != "step"
+    }
+    return {"params": _whole(dict(model.named_parameters())), "optimizer": _whole(moments)}
 
 
 def vlm_model_args():

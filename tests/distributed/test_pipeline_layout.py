@@ -219,9 +219,23 @@ def test_vision_language_model_under_pipeline_equals_one_process(layout_results,
                     torch.testing.assert_close(got["params"][fqn], param, rtol=1e-5, atol=1e-6, msg=f"{key} {fqn}")
 
 
+@pytest.mark.parametrize("target", ["interleaved", "dp4"])
+def test_a_checkpoint_loads_into_another_split_and_no_pipeline(layout_results, target):
+    """Weights and AdamW moments keep their whole-model names on every stage: a checkpoint of
+    pp2 split 6 + 2 restores them bitwise into 4 stages of 2 and into dp4."""
+    results = layout_results[pc.CHECKPOINT_WORLD]
+    trained, loaded = results["pipeline/checkpoint/trained"], results[f"pipeline/checkpoint/{target}"]
+    assert len(trained["params"]) == len(dict(_one_process().named_parameters()))  # every stage's
+    assert len(trained["optimizer"]) == 2 * len(trained["params"])  # both AdamW moments
+    for part in ("params", "optimizer"):
+        assert loaded[part].keys() == trained[part].keys(), part
+        for key, value in trained[part].items():
+            assert torch.equal(loaded[part][key], value), (target, part, key)
+
+
 def test_every_pipeline_layout_and_case_was_run(layout_results):
     for world in pc.PIPELINE_LAYOUTS:
-        keys = {key for key in layout_results[world] if key.startswith("pipeline/")}
+        keys = {key for key in layout_results[world] if key.startswith("pipeline/") and "/checkpoint/" not in key}
         expected = {f"pipeline/{layout}/forward" for layout in _layouts(world)}
         expected |= {pc.case_key(layout, c[0], c[1]) + ("/step" if c[3] else "") for layout, c in _runs(world)}
         if pc.LORA_LAYOUT[0] == world:
