@@ -1,8 +1,9 @@
 """The preference recipe end to end through ``train.py`` (gloo ranks on CPU).
 
-- ``debug_dpo.toml`` on 1 rank and on 2 ranks (pairs split over the ranks by compute balancing,
-  several micro-batches) logs the same loss, grad norm and ``rewards/*`` for its first steps, and
-  the same held-out evaluation (``scripts/loss_compare.py``).
+- ``debug_dpo.toml`` on 1 rank and on 4 ranks, two pipeline stages over two data-parallel ranks
+  (pairs split over the ranks by compute balancing, several micro-batches), logs the same loss,
+  grad norm and ``rewards/*`` for its first steps, and the same held-out evaluation
+  (``scripts/loss_compare.py``).
 - Resume: a run restarted from its mid-run checkpoint (the reference model and the data position
   in it) logs exactly the uninterrupted run's numbers, evaluations included.
 - A dataset row that is no preference pair stops the run naming its file and line.
@@ -61,7 +62,7 @@ def train(dump: Path, num_ranks: int, *extra: str) -> subprocess.CompletedProces
     return subprocess.run(cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=600)
 
 
-def test_one_rank_and_two_ranks_log_the_same_steps(tmp_path):
+def test_one_rank_and_pipelined_data_parallel_ranks_log_the_same_steps(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
@@ -73,7 +74,9 @@ def test_one_rank_and_two_ranks_log_the_same_steps(tmp_path):
             "--baseline-ngpu",
             "1",
             "--test-ngpu",
-            "2",
+            "4",
+            "--test-options",
+            "--parallelism.pipeline_parallel_degree 2",
             "--steps",
             "3",
             "--tags",

@@ -126,8 +126,8 @@ GRPO = ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "grpo", "
         ),
         (["--training.pipeline_microbatches", "4"], ["training.pipeline_microbatches", "pipeline_parallel_degree > 1"]),
         (
-            ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "dpo", "--loss.loss_fn", "dpo"],
-            ["pipeline_parallel_degree = 2", "job.recipe = 'sft' or 'grpo', not 'dpo'"],
+            ["--parallelism.pipeline_parallel_degree", "2", "--job.recipe", "reward_model"],
+            ["pipeline_parallel_degree = 2", "job.recipe = 'sft', 'grpo' or 'dpo', not 'reward_model'"],
         ),
         (
             [*GRPO, "--rl.advantage", "gae", "--rl.group_size", "1"],

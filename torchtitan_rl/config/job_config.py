@@ -248,9 +248,9 @@ class Parallelism:
     pipeline_parallel_degree: int = bounded(1, ge=1)
     """Pipeline-parallel degree: the model's layers split into stages over this many ranks,
     which pass hidden states (and their gradients) from stage to stage while working on
-    different micro-batches at once. The outermost mesh dim (across nodes first). SFT and GRPO
-    (dense, MoE and vision-language models); not yet with tied embeddings, PPO's critic, a
-    reward model in the loop or the other recipes."""
+    different micro-batches at once. The outermost mesh dim (across nodes first). SFT, GRPO
+    and DPO (dense, MoE and vision-language models); not yet with tied embeddings, PPO's
+    critic, a reward model (trained, or in the RL loop) or the service."""
 
     pipeline_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = "1F1B"
     """The order in which the stages run the micro-batches' forward and backward passes

@@ -334,8 +334,8 @@ def _check_pipeline(cfg) -> None:
                     raise ValueError(f"{section}.{key}: only used with parallelism.pipeline_parallel_degree > 1")
         return
     pp = f"parallelism.pipeline_parallel_degree = {p.pipeline_parallel_degree}"
-    if cfg.job.recipe not in ("sft", "grpo"):
-        raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft' or 'grpo', not {cfg.job.recipe!r}")
+    if cfg.job.recipe not in ("sft", "grpo", "dpo"):
+        raise ValueError(f"{pp}: pipeline parallel trains job.recipe = 'sft', 'grpo' or 'dpo', not {cfg.job.recipe!r}")
     others = (
         ("rl.advantage = 'gae' (the critic)", cfg.rl.advantage == "gae"),
         ("rl.reward_model", bool(cfg.rl.reward_model)),

@@ -429,8 +429,7 @@ class GRPORecipe(Recipe):
         """Load the policy (the weights after step ``version``) into the trainers' replica, unless
         it holds them already, counting the bytes taken. Collective over the training ranks."""
         if self.generator.version != version or not self.generator.is_loaded:
-            names = [name for name, _ in self.generator.next_sync()]
-            self._synced_bytes += self.generator.load_weight_stream(self.engine.full_parameters(names), version)
+            self._synced_bytes += self.generator.update_weights_from(self.engine.full_parameters, version)
 
     def _rollout_groups(self, step: int, slots: list[int], times: dict) -> tuple[list[ScoredGroup], dict, int]:
         """This rank's scored groups to train (of ``slots``), the step's rollout metrics and the

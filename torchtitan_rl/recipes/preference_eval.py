@@ -90,7 +90,7 @@ class PreferenceEvaluation:
         sums = pair_sums(self.samples, policy, reference, self.num_pairs, dims.mesh("batch"))
         values = {"eval/loss": float(pair_losses(self.loss, sums).mean())}
         values.update({f"eval/{tag}": value for tag, value in preference_metrics(self.loss, sums).items()})
-        self.generator.update_weights(engine.model, step)
+        self.generator.update_weights_from(engine.full_parameters, step)
         images = self.images if any(self.images) else None
         rollouts = self.generator.generate(self.prompts, self.prompt_indices, 1, self.params, 0, -step, images)
         matches = torch.tensor([float(sum(r.completion_tokens == e for r, e in zip(rollouts, self.expected)))])

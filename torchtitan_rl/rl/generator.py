@@ -43,7 +43,7 @@ kernels for other batch shapes (which can only change a token when its uniform f
 that rounding of a CDF step).
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -210,6 +210,15 @@ class TorchGenerator:
         num_bytes = sum(self._take(name, full_tensor(source[name])) for name, _ in self.next_sync())
         self._finish(version)
         return num_bytes
+
+    @torch.no_grad()
+    def update_weights_from(
+        self, full_parameters: Callable[[list[str]], Iterable[tuple[str, torch.Tensor]]], version: int
+    ) -> int:
+        """``update_weights`` from ``full_parameters(names)``, which yields each named whole
+        parameter in turn (``Engine.full_parameters``: any layout, pipeline stages included).
+        Collective like it."""
+        return self.load_weight_stream(full_parameters([name for name, _ in self.next_sync()]), version)
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> int:
