@@ -172,3 +172,9 @@ def test_pipeline_config_accepted():
         "ZBVZeroBubble",
     )
     assert (cfg.parallelism.pipeline_parallel_degree, cfg.parallelism.pipeline_schedule) == (2, "ZBVZeroBubble")
+
+
+def test_the_pipeline_recipe_parses():
+    cfg = parse("--job.config_file", "train_configs/debug_pp.toml")
+    p = cfg.parallelism
+    assert (p.pipeline_parallel_degree, p.pipeline_schedule, cfg.training.pipeline_microbatches) == (2, "1F1B", 4)
