@@ -55,7 +55,7 @@ PIPELINE_LAYOUTS = {
         (2, 1, 2, 1, 1, "Interleaved1F1B"),
         (4, 1, 1, 1, 1, "InterleavedZeroBubble"),
     ),
-    8: ((2, 1, 2, 1, 2, "1F1B"), (2, 1, 1, 2, 2, "Interleaved1F1B")),
+    8: ((2, 1, 2, 1, 2, "1F1B"),),
 }
 # (loss_fn, reduction mode, data); the step case runs last. token_mean_legacy depends on the
 # micro-batch split on purpose, which a pipeline changes (it splits into more micro-batches).

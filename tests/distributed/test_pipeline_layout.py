@@ -1,7 +1,6 @@
 """Pipeline parallel does not change the gradient: every schedule and composition of
 pipeline_cases.PIPELINE_LAYOUTS (pp2 with 1F1B, GPipe and ZBV; pp2 x dp2 with 1F1B and
-Interleaved1F1B; HSDP pp2 x rep2; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2 and
-pp2 x cp2 x tp2 interleaved) against one
+Interleaved1F1B; HSDP pp2 x rep2; pp2 x tp2; pp2 x cp2; pp4 with InterleavedZeroBubble; pp2 x dp2 x tp2) against one
 process running the whole mini-batch through the whole model: gradients, every logged metric
 (rl/* included), the clipped AdamW step and the forward log-probs; with LoRA, the adapters'
 step and the PEFT and merged exports the stages write together; MoE router losses; a
