@@ -277,11 +277,10 @@ PPO_RUNS = (
     ("ppo_cp2_rollout_rank", 3, ("--parallelism.context_parallel_degree", "2", *ROLLOUT_RANK)),
 )
 # Pipeline parallel: the policy (and its reference) split into two stages, the generator's
-# replica loaded from both; with tp 2 the step's generation is split over the four ranks that
-# hold the same samples (both stages' TP pairs); with a rollout rank two steps ahead, the
-# weights it generates with come from both stages.
+# replica loaded from both, the step's generation split over the four ranks that hold the same
+# samples (both stages' TP pairs); with a rollout rank two steps ahead, the weights it generates
+# with come from both stages.
 PIPELINE_RUNS = (
-    ("pp2", 2, ("--parallelism.pipeline_parallel_degree", "2")),
     ("pp2_async_k2", 3, ("--parallelism.pipeline_parallel_degree", "2", *ASYNC_K2)),
     (
         "pp2_tp2",
