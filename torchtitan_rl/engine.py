@@ -36,15 +36,12 @@ from torchtitan_rl.losses.loss_fns import (
 )
 from torchtitan_rl.losses.reduction import (
     GROUPED_MODES,
-    NUM_MICROBATCHES,
-    NUM_SEQS,
-    NUM_TOKENS,
     global_counts,
     local_counts,
     token_weights,
 )
 from torchtitan_rl.losses.rollout_weights import sequence_log_ratio, weights_of
-from torchtitan_rl.losses.router import RouterLossConfig, RouterMetrics, balance_loss, z_loss
+from torchtitan_rl.losses.router import RouterLossConfig, RouterMetrics, partial_router_losses
 from torchtitan_rl.models.attention import AttentionContext, build_attention_context, cp_attention_context
 from torchtitan_rl.models.lora import effective_weight
 from torchtitan_rl.models.vlm.model import VisionInputs
@@ -268,10 +265,32 @@ class Engine:
         """The final hidden states of a device-resident micro-batch, divided by the sampling
         temperature, and the router statistics of a MoE model (else None)."""
         hidden, router_stats = self._forward(mb, attention)
-        if self.options.temperature != 1.0:
-            # (h / T) W = (h W) / T, on a [T, dim] tensor instead of [T, vocab] logits.
-            hidden = hidden / self.options.temperature
-        return hidden, router_stats
+        return self._tempered(hidden), router_stats
+
+    def _tempered(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states divided by the sampling temperature: (h / T) W = (h W) / T, on a
+        [T, dim] tensor instead of [T, vocab] logits."""
+        return hidden if self.options.temperature == 1.0 else hidden / self.options.temperature
+
+    def _token_values(self, mb: MicroBatch, hidden: torch.Tensor, with_entropy: bool) -> torch.Tensor:
+        """``[T, 1]`` log-probs of the labels of a device-resident micro-batch from its (tempered)
+        hidden states, ``[T, 2]`` with the entropies; no gradient."""
+        logprobs, entropy = token_logprobs(
+            hidden,
+            effective_weight(self.model.output),
+            mb.labels,
+            self.options.logits_chunk_size,
+            with_entropy=with_entropy,
+            **self._logprob_options(),
+        )
+        return torch.stack([v for v in (logprobs, entropy) if v is not None], 1)
+
+    def _forward_result(self, batch: PreparedBatch, per_token: list[torch.Tensor], with_entropy: bool) -> ForwardResult:
+        """``forward``'s result from the shares' ``_token_values``."""
+        per_sample = self._per_sample(batch, per_token)
+        return ForwardResult(
+            [values[:, 0] for values in per_sample], [values[:, -1] for values in per_sample] if with_entropy else None
+        )
 
     def _logprob_options(self) -> dict[str, Any]:
         return {"tp_mesh": self.parallel_dims.mesh("tp"), "loss_parallel": self.options.loss_parallel}
@@ -319,7 +338,9 @@ class Engine:
                 microbatches[i], value, logprobs, entropy = self._microbatch_loss(mb, mb_weights, hidden, loss)
             objective = value
             if router_stats is not None:
-                aux, z = self._router_losses(router_stats, mb, counts, expert_counts)
+                aux, z = partial_router_losses(
+                    router, router_stats, mb, counts, self.parallel_dims, self.device, expert_counts
+                )
                 router_metrics = self._add_router_metrics(router_metrics, router_stats, aux, z)
                 # Logged apart (moe/*): their partials are spread over TP ranks too, unlike the token loss's.
                 objective = value + router.aux_loss_coef * aux + router.z_loss_coef * z
@@ -468,58 +489,6 @@ class Engine:
             total = counts if total is None else total + counts
         return all_reduce(total, "sum", self.parallel_dims.mesh("world"))
 
-    def _router_losses(
-        self,
-        stats,
-        mb: MicroBatch,
-        counts: torch.Tensor,
-        expert_counts: torch.Tensor | None,
-        mb_counts: torch.Tensor | None = None,
-    ):
-        """This rank's partial load-balancing and z losses of one micro-batch (losses.router):
-        each group's counts complete (all-reduced, no gradient), the probability sums its own.
-
-        ``expert_counts`` (global scope) and ``mb_counts`` (the micro-batch's per-sequence
-        counts ``[L, S, E]``, complete over its CP / TP peers; the other scopes) are computed
-        from ``stats`` when None. A pipeline stage, whose ``stats`` cover its own layers, passes
-        them counted beforehand: the pooled loss reads every layer's counts."""
-        config = self.options.router
-        num_tokens = counts[NUM_TOKENS].float()
-        aux = torch.zeros((), device=self.device)
-        if config.aux_loss_coef > 0:
-            one = torch.ones(1, device=self.device)
-            if config.aux_loss_scope == "global":
-                if expert_counts is None:
-                    expert_counts = all_reduce(stats.counts.sum(1), "sum", self.parallel_dims.mesh("world"))
-                aux = balance_loss(
-                    expert_counts[None], stats.prob_sums.sum(1)[None], num_tokens[None], one, config.aux_loss_layers
-                )
-            elif config.aux_loss_scope == "sequence":
-                # A sequence's tokens are spread over its CP / TP peers only.
-                if mb_counts is None:
-                    mb_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp"))
-                seq_counts = mb_counts.transpose(0, 1)
-                seq_tokens = torch.zeros(mb.num_seqs, device=self.device)
-                seq_tokens[: len(mb.seq_lens)] = torch.tensor(mb.seq_lens, dtype=torch.float32)
-                weights = torch.ones(mb.num_seqs, device=self.device) / counts[NUM_SEQS].clamp(min=1)
-                aux = balance_loss(
-                    seq_counts, stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers
-                )
-            else:
-                if mb_counts is None:
-                    mb_counts = all_reduce(stats.counts, "sum", self.parallel_dims.mesh("cp_tp"))
-                mb_counts = mb_counts.sum(1)
-                mb_tokens = torch.tensor([float(sum(mb.seq_lens))], device=self.device)
-                aux = balance_loss(
-                    mb_counts[None],
-                    stats.prob_sums.sum(1)[None],
-                    mb_tokens,
-                    one / counts[NUM_MICROBATCHES].clamp(min=1),
-                    config.aux_loss_layers,
-                )
-        z = z_loss(stats.z_sums, num_tokens) if config.z_loss_coef > 0 else torch.zeros((), device=self.device)
-        return aux, z
-
     def _add_router_metrics(
         self, metrics: RouterMetrics | None, stats, aux: torch.Tensor, z: torch.Tensor
     ) -> RouterMetrics:
@@ -542,24 +511,13 @@ class Engine:
             mb = mb.to(self.device)
             with self._autocast():
                 hidden, _ = self._hidden(mb, attention)
-                mb_logprobs, mb_entropy = token_logprobs(
-                    hidden,
-                    effective_weight(self.model.output),
-                    mb.labels,
-                    self.options.logits_chunk_size,
-                    with_entropy=with_entropy,
-                    **self._logprob_options(),
-                )
-            per_token.append(torch.stack([v for v in (mb_logprobs, mb_entropy) if v is not None], 1))
+                per_token.append(self._token_values(mb, hidden, with_entropy))
         # The root (and, under the "default" and "never" policies, blocks) keep their parameters
         # gathered after forward for the backward that usually follows; with no backward,
         # release every group so that an optimizer step cannot leave a stale gathered copy
         # behind (and ``parameters()`` yields the sharded ones again).
         reshard(self.model)
-        per_sample = self._per_sample(batch, per_token)
-        return ForwardResult(
-            [values[:, 0] for values in per_sample], [values[:, -1] for values in per_sample] if with_entropy else None
-        )
+        return self._forward_result(batch, per_token, with_entropy)
 
     def _per_sample(self, batch: PreparedBatch, per_token: list[torch.Tensor]):
         """Each sample's rows of the per-token values ``[tokens of a share, k]`` of ``batch``'s
@@ -603,11 +561,17 @@ class Engine:
         return {}
 
     def num_params(self) -> int:
-        """The model's parameters (global sizes: a shard counts its whole parameter's)."""
-        return sum(p.numel() for p in self.model.parameters())
+        """The whole model's parameters (global sizes: a shard counts its whole parameter's;
+        pipeline stages count each other's)."""
+        local = sum(p.numel() for p in self.model.parameters())
+        pp_mesh = self.parallel_dims.mesh("pp")
+        if pp_mesh is None:
+            return local
+        return int(all_reduce(torch.tensor(local, dtype=torch.int64, device=self.device), "sum", pp_mesh))
 
     def optim_step(self) -> dict[str, torch.Tensor | float]:
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm)
+        # Under pipeline parallel each stage holds its own parameters: the norm spans ``pp``.
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm, self.parallel_dims.mesh("pp"))
         lr = self.lr_scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torchtitan_rl.data.cp_split import microbatch_layout
 from torchtitan_rl.data.packing import MicroBatch, pad_microbatch, padding_microbatch
 from torchtitan_rl.data.sample import Sample
-from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.fsdp import reshard
 from torchtitan_rl.distributed.pipeline import (
     PipelinePlan,
@@ -32,12 +31,10 @@ from torchtitan_rl.distributed.pipeline import (
 )
 from torchtitan_rl.distributed.utils import all_reduce
 from torchtitan_rl.engine import Engine, ForwardResult, PreparedBatch, _loss_inputs, sequence_slots
-from torchtitan_rl.losses.logprobs import token_logprobs
 from torchtitan_rl.losses.loss_fns import ForwardBackwardMetrics, resolve_loss_fn
 from torchtitan_rl.losses.reduction import global_counts, token_weights
-from torchtitan_rl.losses.router import RouterMetrics
+from torchtitan_rl.losses.router import RouterMetrics, partial_router_losses
 from torchtitan_rl.models.attention import cp_attention_context
-from torchtitan_rl.models.lora import effective_weight
 from torchtitan_rl.models.vlm.model import VisionInputs
 
 
@@ -103,7 +100,16 @@ class PipelineEngine(Engine):
             routing.recorded[stage, index] = stats.counts.detach()
             return hidden
         expert_counts, mb_counts = routing.counts_for(index, self._moe_slots[stage])
-        aux, z = self._router_losses(stats, self._running[index], routing.batch_counts, expert_counts, mb_counts)
+        aux, z = partial_router_losses(
+            self.options.router,
+            stats,
+            self._running[index],
+            routing.batch_counts,
+            self.parallel_dims,
+            self.device,
+            expert_counts,
+            mb_counts,
+        )
         routing.add(self._moe_slots[stage], aux.detach(), z.detach(), stats.counts.sum(1))
         router = self.options.router
         return _WithLoss.apply(hidden, router.aux_loss_coef * aux + router.z_loss_coef * z)
@@ -184,11 +190,9 @@ class PipelineEngine(Engine):
 
         def last_stage_loss(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             i = int(index)
-            if self.options.temperature != 1.0:
-                hidden = hidden / self.options.temperature
             with self._autocast():
                 microbatches[i], value, logprobs, entropy = self._microbatch_loss(
-                    microbatches[i], weights[i], hidden, loss
+                    microbatches[i], weights[i], self._tempered(hidden), loss
                 )
             values[i], outputs[i] = value.detach(), (logprobs, entropy)
             return value
@@ -287,30 +291,16 @@ class PipelineEngine(Engine):
 
         def last_stage_logprobs(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
             i = int(index)
-            if self.options.temperature != 1.0:
-                hidden = hidden / self.options.temperature
             with self._autocast():
-                logprobs, entropy = token_logprobs(
-                    hidden,
-                    effective_weight(self.model.output),
-                    microbatches[i].labels,
-                    self.options.logits_chunk_size,
-                    with_entropy=with_entropy,
-                    **self._logprob_options(),
-                )
-            per_token[i] = torch.stack([v for v in (logprobs, entropy) if v is not None], 1)
-            return logprobs.sum()
+                per_token[i] = self._token_values(microbatches[i], self._tempered(hidden), with_entropy)
+            return per_token[i].sum()  # the schedule wants a loss; unused
 
         self._run(microbatches, last_stage_logprobs, backward=False)
         for module in self.stages.values():
             reshard(module)
         result = None
         if self.holds_last:
-            per_sample = self._per_sample(batch, [per_token[i] for i in range(len(microbatches))])
-            result = ForwardResult(
-                [values[:, 0] for values in per_sample],
-                [values[:, -1] for values in per_sample] if with_entropy else None,
-            )
+            result = self._forward_result(batch, [per_token[i] for i in range(len(microbatches))], with_entropy)
         return self._from_last_stage(result)
 
     def _from_last_stage(self, value):
@@ -322,20 +312,6 @@ class PipelineEngine(Engine):
     def _layout_kwargs(self) -> dict[str, Any]:
         # ``over``: another model is split like this engine's.
         return {"pipeline": self.plan, "activation_dtype": self.activation_dtype}
-
-    def num_params(self) -> int:
-        """The whole model's parameters: every stage's."""
-        local = torch.tensor(super().num_params(), dtype=torch.int64, device=self.device)
-        return int(all_reduce(local, "sum", self.pp_mesh))
-
-    def optim_step(self) -> dict[str, torch.Tensor | float]:
-        """``Engine.optim_step`` with the gradient norm over every stage's parameters."""
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.options.max_norm, self.pp_mesh)
-        lr = self.lr_scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
-        return {"grad_norm": grad_norm, "lr": lr}
 
 
 class _WithLoss(torch.autograd.Function):
@@ -369,7 +345,7 @@ class _RouterPass:
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer slot -> this rank's [E]
 
     def counts_for(self, index: int, slots: list[int]):
-        """(expert_counts, mb_counts) for ``Engine._router_losses``: every layer's (pooled) or the
+        """(expert_counts, mb_counts) for ``losses.router.partial_router_losses``: every layer's (pooled) or the
         stage's layers' (summed over layers); None where the stage counts by itself."""
         expert = self.expert_counts
         mb = None if self.mb_counts is None else self.mb_counts[index]

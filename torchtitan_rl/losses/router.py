@@ -31,6 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_rl.distributed.utils import all_reduce
+from torchtitan_rl.losses.reduction import NUM_MICROBATCHES, NUM_SEQS, NUM_TOKENS
+
 AUX_LOSS_SCOPES = ("global", "sequence", "microbatch")
 AUX_LOSS_LAYERS = ("pooled", "sum")
 
@@ -96,3 +99,56 @@ def z_loss(z_sums: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
     """This rank's share of the z-loss: ``z_sums`` ``[L, S]`` of its tokens over the mini-batch's
     real tokens ``num_tokens``."""
     return z_sums.sum() / num_tokens.clamp(min=1)
+
+
+def partial_router_losses(
+    config: RouterLossConfig,
+    stats,
+    mb,
+    counts: torch.Tensor,
+    parallel_dims,
+    device: torch.device,
+    expert_counts: torch.Tensor | None = None,
+    mb_counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's partial load-balancing and z losses of one micro-batch ``mb`` (its
+    ``RouterStats`` ``stats``, the mini-batch's global ``counts``): each group's counts complete
+    (all-reduced, no gradient), the probability sums its own.
+
+    ``expert_counts`` (global scope) and ``mb_counts`` (the micro-batch's per-sequence counts
+    ``[L, S, E]``, complete over its CP / TP peers; the other scopes) are computed from ``stats``
+    when None. A pipeline stage, whose ``stats`` cover its own layers, passes them counted
+    beforehand: the pooled loss reads every layer's counts."""
+    num_tokens = counts[NUM_TOKENS].float()
+    aux = torch.zeros((), device=device)
+    if config.aux_loss_coef > 0:
+        one = torch.ones(1, device=device)
+        if config.aux_loss_scope == "global":
+            if expert_counts is None:
+                expert_counts = all_reduce(stats.counts.sum(1), "sum", parallel_dims.mesh("world"))
+            aux = balance_loss(
+                expert_counts[None], stats.prob_sums.sum(1)[None], num_tokens[None], one, config.aux_loss_layers
+            )
+        elif config.aux_loss_scope == "sequence":
+            # A sequence's tokens are spread over its CP / TP peers only.
+            if mb_counts is None:
+                mb_counts = all_reduce(stats.counts, "sum", parallel_dims.mesh("cp_tp"))
+            seq_tokens = torch.zeros(mb.num_seqs, device=device)
+            seq_tokens[: len(mb.seq_lens)] = torch.tensor(mb.seq_lens, dtype=torch.float32)
+            weights = torch.ones(mb.num_seqs, device=device) / counts[NUM_SEQS].clamp(min=1)
+            aux = balance_loss(
+                mb_counts.transpose(0, 1), stats.prob_sums.transpose(0, 1), seq_tokens, weights, config.aux_loss_layers
+            )
+        else:
+            if mb_counts is None:
+                mb_counts = all_reduce(stats.counts, "sum", parallel_dims.mesh("cp_tp"))
+            mb_tokens = torch.tensor([float(sum(mb.seq_lens))], device=device)
+            aux = balance_loss(
+                mb_counts.sum(1)[None],
+                stats.prob_sums.sum(1)[None],
+                mb_tokens,
+                one / counts[NUM_MICROBATCHES].clamp(min=1),
+                config.aux_loss_layers,
+            )
+    z = z_loss(stats.z_sums, num_tokens) if config.z_loss_coef > 0 else torch.zeros((), device=device)
+    return aux, z
