@@ -9,13 +9,20 @@ from torchtitan_rl.distributed.utils import PeerFailedError, shutdown_distribute
 from torchtitan_rl.recipes import get_recipe
 from torchtitan_rl.recipes.base import describe_os_error
 from torchtitan_rl.recipes.config_checks import parse_job_config
+from torchtitan_rl.recipes.estimate import estimate_report
 from torchtitan_rl.rl.plugins import UserCodeError
 
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
+    # A bare --estimate is short for --estimate.enable true.
+    argv = ["--estimate.enable", "true"] + [a for a in argv if a != "--estimate"] if "--estimate" in argv else argv
     try:
         job_config = parse_job_config(argv)
+        if job_config.estimate.enable:
+            # No process group, no weights: the model is only built on the meta device.
+            print(estimate_report(job_config))
+            return 0
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2

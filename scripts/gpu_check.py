@@ -265,14 +265,31 @@ def grpo_overrides(plan: Plan) -> list[str]:
     return ["--job.config_file", GRPO_RECIPE, "--training.steps", str(plan.grpo_steps), *plan.grpo_overrides]
 
 
+def estimated_peak_gib(overrides: list[str], device: str) -> float:
+    """``train.py --estimate``'s peak for one rank of this run (the compute dtype of ``device``)."""
+    from torchtitan_rl.distributed.parallel_dims import ParallelDims
+    from torchtitan_rl.estimate.memory import GIB, estimate_memory
+    from torchtitan_rl.recipes.base import lora_settings
+    from torchtitan_rl.recipes.config_checks import parse_job_config
+    from torchtitan_rl.recipes.estimate import estimate_model_args
+
+    config = parse_job_config(overrides)
+    dtype = config.training.mixed_precision_param if device == "cuda" else "float32"
+    dims = ParallelDims.from_config(config.parallelism, 1)
+    (estimate,) = estimate_memory(config, estimate_model_args(config), dims, lora_settings(config), dtype)
+    return estimate.peak / GIB
+
+
 def step_sft(ctx: Context, backend: str) -> dict:
     plan = ctx.plan
     rows = write_sft_rows(ctx, num_rows=plan.sft_steps * plan.global_batch_size)
-    scalars, wall = train(ctx, "sft", f"sft_{backend}", sft_overrides(plan, backend, rows))
+    overrides = sft_overrides(plan, backend, rows)
+    scalars, wall = train(ctx, "sft", f"sft_{backend}", overrides)
     memory_tag = "memory/max_active(GiB)" if plan.device == "cuda" else "memory/peak_rss(GiB)"
     figures = {
         "tokens_per_s": statistics.median(series(scalars, "throughput(tps)", plan.sft_uncounted_steps)),
         "peak_memory_gib": max(series(scalars, memory_tag)),
+        "estimated_peak_gib": estimated_peak_gib(overrides, plan.device),
         "wall_s": wall,
     }
     if "mfu(%)" in scalars:
@@ -393,7 +410,9 @@ def sft_section(plan: Plan, results: list[StepResult]) -> list[str]:
         f"`training.global_batch_size = {plan.global_batch_size}`, "
         f"`training.max_tokens_per_microbatch = {plan.max_tokens_per_microbatch}`, {plan.sft_steps} steps; tokens/s "
         f"and MFU are medians of the steps after the first {plan.sft_uncounted_steps}, peak memory the run's "
-        f"{'`memory/max_active(GiB)`' if plan.device == 'cuda' else '`memory/peak_rss(GiB)`'} (its largest value).",
+        f"{'`memory/max_active(GiB)`' if plan.device == 'cuda' else '`memory/peak_rss(GiB)`'} (its largest value), "
+        "beside `train.py --estimate`'s peak for the same arguments (docs/memory.md; samples shorter than "
+        "`training.seq_len` fill a micro-batch less than the estimate assumes).",
         "",
     ]
     rows = []
@@ -402,8 +421,8 @@ def sft_section(plan: Plan, results: list[StepResult]) -> list[str]:
         if result.ok:
             mfu = number(f.get("mfu_percent"), 1)
             rows.append([f"`{result.name[4:]}`", number(f["tokens_per_s"]), mfu, number(f["peak_memory_gib"], 2)])
-            rows[-1].append(f"{f['wall_s']:.0f} s")
-    header = ["attention backend", "tokens/s", "MFU (%)", "peak memory (GiB)", "wall time"]
+            rows[-1] += [number(f["estimated_peak_gib"], 2), f"{f['wall_s']:.0f} s"]
+    header = ["attention backend", "tokens/s", "MFU (%)", "peak memory (GiB)", "estimated peak (GiB)", "wall time"]
     lines += markdown_table(header, rows) if rows else []
     for result in results:
         if not result.ok:

@@ -19,7 +19,7 @@ if [ "${1:-}" = "--quick" ]; then
   shift
   set -- tests/unit --ignore=tests/unit/test_compile.py "$@"
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

@@ -65,6 +65,7 @@ def test_cpu_mode_runs_every_step_and_writes_a_figure_for_each(tmp_path):
     (sft,) = sections["SFT"]
     assert sft["attention backend"] == "`sdpa_varlen`"
     assert figure(sft["tokens/s"]) > 0 and figure(sft["peak memory (GiB)"]) > 0
+    assert figure(sft["estimated peak (GiB)"]) > 0
     assert sft["MFU (%)"] == "—"  # no known peak for a CPU
 
     (grpo,) = sections["GRPO"]

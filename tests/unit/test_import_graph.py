@@ -29,6 +29,8 @@ LAYERS = {
     f"{PACKAGE}.models": 3,
     f"{PACKAGE}.profiling": 3,  # memory snapshots: the [profiling] section and the mesh
     f"{PACKAGE}.losses": 4,
+    # Memory estimates of a layout, from the model built on meta (``train.py --estimate``).
+    f"{PACKAGE}.estimate": 4,
     f"{PACKAGE}.hf_tokenizer_files": 4,  # what an export writes of the tokenizer (data's tokenizers)
     f"{PACKAGE}.engine": 5,
     f"{PACKAGE}.rl": 5,

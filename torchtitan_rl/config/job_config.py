@@ -1011,6 +1011,30 @@ class Comm:
 
 
 @dataclass
+class Estimate:
+    """``python train.py --job.config_file X --estimate``: print each rank's memory under the
+    config's layout (no process group, no weights) and exit, instead of training (docs/memory.md)."""
+
+    enable: bool = False
+    """Estimate instead of training (``--estimate`` is short for ``--estimate.enable true``)."""
+
+    world_size: int = bounded(8, ge=1)
+    """The ranks of the launch to estimate for (rollout ranks included), as torchrun's
+    ``--nproc_per_node`` times the nodes."""
+
+    device_memory: float = bounded(80.0, gt=0)
+    """GiB of one device's memory: whether each rank's peak fits it."""
+
+    search: bool = False
+    """Also list every layout of estimate.world_size ranks (degrees and activation
+    checkpointing) that the config's rules accept and that fits estimate.device_memory,
+    fastest first by the cost model in docs/memory.md."""
+
+    num_layouts: int = bounded(10, ge=1)
+    """How many of the fitting layouts estimate.search prints."""
+
+
+@dataclass
 class JobConfig:
     """The full configuration of a run; each field is one TOML section."""
 
@@ -1035,6 +1059,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     debug: Debug = field(default_factory=Debug)
     comm: Comm = field(default_factory=Comm)
+    estimate: Estimate = field(default_factory=Estimate)
 
     # Keys of earlier versions: naming one stops the parse with its successor's name.
     renamed_keys: ClassVar[dict[str, str]] = {

@@ -52,6 +52,26 @@ class ParallelDims:
     def __post_init__(self):
         self._validate()
 
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """The training ranks' degrees of the ``[parallelism]`` section in a launch of
+        ``world_size`` ranks (less the rollout ranks)."""
+        p = parallelism
+        if p.rollout_ranks >= world_size:
+            raise ValueError(
+                f"parallelism.rollout_ranks={p.rollout_ranks} leaves no training rank in a launch of {world_size} rank(s)"
+            )
+        return cls(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            world_size=world_size - p.rollout_ranks,
+            num_rollout_ranks=p.rollout_ranks,
+            ep=p.expert_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+        )
+
     def _validate(self):
         if self.pp < 1:
             raise ValueError(f"parallelism.pipeline_parallel_degree must be >= 1, got {self.pp}")

@@ -52,21 +52,7 @@ logger = logging.getLogger(__name__)
 
 def build_parallel_dims(job_config: JobConfig, world_size: int) -> ParallelDims:
     """The training ranks' degrees in a launch of ``world_size`` ranks (less the rollout ranks)."""
-    p = job_config.parallelism
-    if p.rollout_ranks >= world_size:
-        raise ValueError(
-            f"parallelism.rollout_ranks={p.rollout_ranks} leaves no training rank in a launch of {world_size} rank(s)"
-        )
-    return ParallelDims(
-        dp_replicate=p.data_parallel_replicate_degree,
-        dp_shard=p.data_parallel_shard_degree,
-        cp=p.context_parallel_degree,
-        tp=p.tensor_parallel_degree,
-        world_size=world_size - p.rollout_ranks,
-        num_rollout_ranks=p.rollout_ranks,
-        ep=p.expert_parallel_degree,
-        pp=p.pipeline_parallel_degree,
-    )
+    return ParallelDims.from_config(job_config.parallelism, world_size)
 
 
 def check_divisible_by_data_parallel(key: str, value: int, parallel_dims: ParallelDims) -> None:

@@ -1,0 +1,1 @@
+"""Memory estimates of a training layout (docs/memory.md)."""
