@@ -190,6 +190,12 @@ def test_estimate_cli_prints_the_table_and_the_verdict():
     assert "parallelism.tensor_parallel_degree" in bad.stderr
 
 
+def test_estimate_keys_without_estimate_are_an_error():
+    with pytest.raises(ValueError, match=r"estimate\.search: only used with --estimate"):
+        _config("--estimate.search", "true")
+    assert _config("--estimate.enable", "true", "--estimate.search", "true").estimate.search
+
+
 @pytest.mark.parametrize("flavor, recipe", [("8B", "SFT"), ("0.6B", "GRPO")])
 def test_the_readme_sizing_table_is_the_estimators_output(flavor, recipe):
     sys.path.insert(0, str(REPO / "scripts"))

@@ -1026,9 +1026,10 @@ class Estimate:
     """GiB of one device's memory: whether each rank's peak fits it."""
 
     search: bool = False
-    """Also list every layout of estimate.world_size ranks (degrees and activation
-    checkpointing) that the config's rules accept and that fits estimate.device_memory,
-    fastest first by the cost model in docs/memory.md."""
+    """Also list every layout of estimate.world_size ranks (degrees, activation checkpointing,
+    and for GRPO rollout ranks and generation.max_prompts_per_batch) that the config's rules
+    accept and that fits estimate.device_memory, fastest first by the cost model in
+    docs/memory.md."""
 
     num_layouts: int = bounded(10, ge=1)
     """How many of the fitting layouts estimate.search prints."""

@@ -50,6 +50,7 @@ def validate_job_config(cfg) -> None:
     _check_lora(cfg)
     _check_pipeline(cfg)
     _check_compile(cfg)
+    _check_estimate(cfg)
     _check_recipe(cfg)
     if cfg.model.flavor == HF_FLAVOR:
         _check_hf_flavor(cfg)
@@ -86,6 +87,16 @@ def _check_profiling(cfg) -> None:
         if step in seen:
             raise ValueError(f"{key}: step {step} is listed more than once")
         seen.add(step)
+
+
+def _check_estimate(cfg) -> None:
+    # Without estimate.enable the run trains: a search or device size asked for would be ignored.
+    keys = [key for key in non_default_keys(cfg.estimate) if key != "enable"]
+    if keys and not cfg.estimate.enable:
+        raise ValueError(
+            f"estimate.{keys[0]}: only used with --estimate (estimate.enable = true), which prints the memory "
+            "estimate instead of training; add --estimate or remove the key"
+        )
 
 
 def non_default_keys(section) -> list[str]:

@@ -1,7 +1,7 @@
 """A training rank's memory under a config's layout, item by item, and its peak (docs/memory.md).
 
-The items are what the run allocates (``params``, ``activations``); the peak adds them up by
-phase, because not everything is alive at once:
+The items are what the run allocates (``parameters``, ``activations``, ...); the peak adds
+them up by phase, because not everything is alive at once:
 
 - forward / backward: the resident items, FSDP's gathered blocks, the activations of the
   micro-batches in flight with the loss's buffers, the gradients accumulated by the step's
@@ -10,10 +10,11 @@ phase, because not everything is alive at once:
   it makes its gradients), plus the activations of the checkpointed block that backward
   rebuilds;
 - the optimizer step: the resident items and the gradients;
-- generation (GRPO): the resident items, the KV cache and the step's rollouts.
+- generation (GRPO): the resident items and the KV cache.
 
 Resident: the parameters, AdamW's two float32 moments per trainable element, a reference
-policy's frozen shards, the generator's unsharded replica, a critic's parameters and moments.
+policy's frozen shards, the generator's unsharded replica, a critic's parameters and moments,
+the step's rollouts.
 """
 
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from torchtitan_rl.estimate.activations import (
     vision_layer_bytes,
 )
 from torchtitan_rl.estimate.params import ModelShard, meta_model, shard_model
-from torchtitan_rl.models.lora import LoRASettings
+from torchtitan_rl.models.lora import LoRALinear, LoRASettings
 from torchtitan_rl.models.qwen3.args import as_critic
 
 GIB = 2**30
@@ -76,13 +77,13 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Sizes:
     """The workload of one rank: ``tokens`` per micro-batch (a CP rank's share), ``in_flight``
-    micro-batches whose activations coexist (pipeline schedules), ``patches`` per micro-batch
-    (a VLM), and the rollouts (``rollout_tokens``) and KV-cache shape of a GRPO step."""
+    micro-batches whose activations coexist (pipeline schedules), the step's micro-batches, and
+    the rollouts (``rollout_tokens``) and KV-cache shape of a GRPO step. Every sample is taken
+    ``training.seq_len`` tokens long: the most a micro-batch's budget can hold."""
 
     tokens: int
     in_flight: int
     num_microbatches: int = 1
-    patches: int = 0
     rollout_tokens: int = 0
     kv_rows: int = 0
     kv_slots: int = 0
@@ -180,6 +181,8 @@ def _generator_items(job_config: JobConfig, args, model, sizes: Sizes, b: int) -
     dtype = job_config.generation.dtype
     gen_b = b if dtype == "auto" else DTYPE_BYTES[dtype]
     numel = sum(p.numel() for p in model.parameters())
+    # Under LoRA the replica holds merged weights and a copy of each adapted layer's base.
+    numel += sum(m.weight.numel() for m in model.modules() if isinstance(m, LoRALinear))
     kv = 2 * args.n_layers * sizes.kv_rows * sizes.kv_slots * args.n_kv_heads * args.head_dim * gen_b
     return [
         Item("generator", numel * gen_b, "the sampler's unsharded replica of the whole model"),
@@ -239,8 +242,12 @@ def _training_rank(
             f"hidden-state gradient, head gradient, one {loss.logits_chunk_size}-token logits chunk",
         ),
     ]
+    if dims.pp > 1:
+        # Each micro-batch in flight keeps the hidden states a stage received and those it sent.
+        buffers = sizes.in_flight * 2 * mb.local * args.dim * b
+        items.append(Item("pipeline_buffers", buffers, "hidden states received and sent, per micro-batch in flight"))
     # Rebuilding a checkpointed block in backward may need more than the end of the forward.
-    moving = sum(i.bytes for i in items if i.name in ("activations", "loss"))
+    moving = sum(i.bytes for i in items if i.name in ("activations", "loss", "pipeline_buffers"))
     rebuild = fwd.rebuild + fwd.saved * (sizes.in_flight - 1)
     items.append(Item("recompute", max(0, rebuild - moving), "what rebuilding a checkpointed block adds in backward"))
     if shard.has_vision and not job_config.model.freeze_vision:
@@ -250,7 +257,7 @@ def _training_rank(
             Item("vision_activations", vision.n_layers * vision_layer_bytes(vision, patches, b), "the vision tower's")
         )
     uses_reference = (recipe == "grpo" and rl.use_reference) or (recipe == "dpo" and loss.loss_fn != "simpo")
-    if uses_reference:
+    if uses_reference and lora is None:  # under LoRA the reference is the base with the adapters off
         items.append(Item("reference", (shard.trainable + shard.frozen) * FLOAT32, "the frozen reference policy"))
     if recipe == "grpo" and rl.advantage == "gae":
         critic = shard_model(meta_model(as_critic(args), None), dims, stages)
@@ -284,7 +291,7 @@ def _phases(items: list[Item], num_microbatches: int) -> dict[str, int]:
     for item in items:
         size[item.name] = size.get(item.name, 0) + item.bytes
     resident = sum(size.get(name, 0) for name in _RESIDENT)
-    moving = size["activations"] + size.get("vision_activations", 0) + size["loss"]
+    moving = size["activations"] + size.get("vision_activations", 0) + size.get("pipeline_buffers", 0) + size["loss"]
     # The gradients of a step's earlier micro-batches are alive while a later one runs forward.
     transient = moving + size["gradients"] if num_microbatches > 1 else max(moving, size["gradients"])
     phases = {
@@ -305,7 +312,7 @@ def fits_text(estimate: MemoryEstimate, device_bytes: float) -> str:
 
 
 def format_table(estimate: MemoryEstimate) -> str:
-    width = max(len(i.name) for i in estimate.items)
+    width = max(len(name) for name in [*(i.name for i in estimate.items), *(f"peak: {p}" for p in estimate.phases)])
     lines = [f"{estimate.rank_kind}:"]
     lines += [f"  {i.name:<{width}} {i.bytes / GIB:10.3f} GiB  {i.what}" for i in estimate.items]
     lines += [f"  {'peak: ' + name:<{width}} {value / GIB:10.3f} GiB" for name, value in estimate.phases.items()]

@@ -26,7 +26,9 @@ def estimate_report(job_config: JobConfig) -> str:
     e = job_config.estimate
     if job_config.job.recipe == "service":
         # Its memory depends on the clients that connect (each with adapters and AdamW state).
-        raise ValueError("estimate.enable: job.recipe = 'service' is not estimated; sft, grpo, dpo and reward_model are")
+        raise ValueError(
+            "estimate.enable: job.recipe = 'service' is not estimated; sft, grpo, dpo and reward_model are"
+        )
     args = estimate_model_args(job_config)
     lora = lora_settings(job_config)
     dims = ParallelDims.from_config(job_config.parallelism, e.world_size)
