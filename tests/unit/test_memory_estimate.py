@@ -13,12 +13,14 @@ import torch
 
 from torchtitan_rl.config import ConfigManager
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.estimate.activations import MicroBatch, forward_memory
+from torchtitan_rl.estimate.activations import MicroBatch, forward_memory, vision_tower_bytes
 from torchtitan_rl.estimate.memory import GIB, estimate_memory
 from torchtitan_rl.estimate.params import local_numel, meta_model, shard_model
 from torchtitan_rl.estimate.search import search_layouts
 from torchtitan_rl.models.lora import LoRASettings
 from torchtitan_rl.models.qwen3.args import qwen3_flavors
+from torchtitan_rl.models.vision.model import VisionTransformer
+from torchtitan_rl.models.vlm.args import vlm_flavors
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,6 +73,17 @@ def test_saved_activations_equal_what_autograd_keeps(flavor, dtype, lengths, lor
     estimated += mb.norm(num_tokens, args.dim)
     # Uneven lengths pad a few documents into the kernel's batch: 1 % at most here.
     assert estimated == pytest.approx(measured, rel=0.01)
+
+
+def test_saved_vision_activations_equal_what_autograd_keeps():
+    args = dataclasses.replace(vlm_flavors["debugmodel"].vision, attn_backend="sdpa_varlen")
+    torch.manual_seed(0)
+    tower = VisionTransformer(args)
+    grids = [(8, 8), (4, 6), (8, 8), (4, 6)]  # images of two sizes, as packing mixes them
+    num_patches = sum(rows * cols for rows, cols in grids)
+    patches = torch.randn(num_patches, args.patch_dim)
+    measured = _saved_bytes(tower, lambda: tower(patches, grids))
+    assert vision_tower_bytes(args, num_patches, 4) == pytest.approx(measured, rel=0.01)
 
 
 def test_checkpointed_blocks_keep_only_their_input():

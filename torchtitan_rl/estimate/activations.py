@@ -109,17 +109,22 @@ def layer_bytes(args, layer: int, mb: MicroBatch) -> int:
     return attention_bytes(args, mb, input_grad=layer != 0 or not mb.frozen_input) + mlp_bytes(args, layer, mb)
 
 
-def vision_layer_bytes(vision_args, num_patches: int, b: int) -> int:
-    """A vision block over ``num_patches`` patches (replicated under TP: whole on every rank)."""
+def vision_tower_bytes(vision_args, num_patches: int, b: int) -> int:
+    """What the vision tower saves for ``num_patches`` patches (whole on every TP rank): the
+    patches the patch embedding reads, its norm, the 2-D rotary tables, and per block what a
+    dense block saves (no QK-norm, as many K/V heads as query heads)."""
     width = vision_args.dim
     norm = num_patches * width * (FLOAT32 + b) + num_patches * FLOAT32
-    return (
+    block = (
         2 * norm
         + 2 * num_patches * width * b  # the gathered inputs
-        + 4 * num_patches * width * b  # q, k, v, output
+        + 5 * num_patches * width * b  # rotated q and k, v, the output and its copy in patch order
         + num_patches * vision_args.n_heads * FLOAT32
         + 4 * num_patches * vision_args.hidden_dim * b
     )
+    patches = num_patches * vision_args.patch_dim * b
+    rotary = 2 * num_patches * vision_args.head_dim * b
+    return patches + norm + rotary + vision_args.n_layers * block
 
 
 def checkpointed(layers: tuple[int, ...], mode: str, every: int) -> set[int]:

@@ -30,7 +30,7 @@ from torchtitan_rl.estimate.activations import (
     MicroBatch,
     forward_memory,
     loss_bytes,
-    vision_layer_bytes,
+    vision_tower_bytes,
 )
 from torchtitan_rl.estimate.params import ModelShard, meta_model, shard_model
 from torchtitan_rl.models.lora import LoRALinear, LoRASettings
@@ -252,10 +252,7 @@ def _training_rank(
     items.append(Item("recompute", max(0, rebuild - moving), "what rebuilding a checkpointed block adds in backward"))
     if shard.has_vision and not job_config.model.freeze_vision:
         patches = job_config.training.max_patches_per_microbatch or sizes.tokens
-        vision = args.vision
-        items.append(
-            Item("vision_activations", vision.n_layers * vision_layer_bytes(vision, patches, b), "the vision tower's")
-        )
+        items.append(Item("vision_activations", vision_tower_bytes(args.vision, patches, b), "the vision tower's"))
     uses_reference = (recipe == "grpo" and rl.use_reference) or (recipe == "dpo" and loss.loss_fn != "simpo")
     if uses_reference and lora is None:  # under LoRA the reference is the base with the adapters off
         items.append(Item("reference", (shard.trainable + shard.frozen) * FLOAT32, "the frozen reference policy"))

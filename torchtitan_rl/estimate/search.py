@@ -2,9 +2,9 @@
 
 The cost model ranks layouts; it does not predict seconds. Per optimizer step and rank:
 
-- compute: 6 FLOPs per active parameter and token (forward 2, backward 4), the tokens of the
-  rank's batch share, the work split over ``tp x cp x pp``; a checkpointed block adds its
-  forward again (2 FLOPs);
+- compute: 6 FLOPs per active parameter (MoE: the routed experts only) and token (forward 2,
+  backward 4), the tokens of the rank's batch share (GRPO: every mini-batch and epoch), the
+  work split over ``tp x cp x pp``; a checkpointed block adds its forward again (2 FLOPs);
 - tensor parallel: per block and micro-batch, four gathers / reduce-scatters of the
   ``T x dim`` residual forward and four backward, over the node's links, not overlapped;
 - context parallel: per block and micro-batch the K / V all-gather forward and its reduce-scatter
@@ -20,11 +20,13 @@ The constants (``DEVICE``) are an H100-class node: only their ratios matter for 
 import copy
 from dataclasses import dataclass
 
+from torch import nn
+
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.config.validation import validate_job_config
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.estimate.memory import DTYPE_BYTES, MemoryEstimate, estimate_memory, workload
-from torchtitan_rl.estimate.params import meta_model
+from torchtitan_rl.estimate.params import is_expert, meta_model
 from torchtitan_rl.models.config_checks import check_model_settings
 from torchtitan_rl.models.lora import LoRASettings
 
@@ -113,60 +115,34 @@ def with_layout(job_config: JobConfig, parallelism: dict[str, int], ac_mode: str
     return config
 
 
-def step_seconds(job_config: JobConfig, args, dims: ParallelDims, device: DeviceModel = DEVICE) -> float:
-    """The cost model's time of one optimizer step on a rank (see the module docstring)."""
+def step_seconds(job_config: JobConfig, model: nn.Module, dims: ParallelDims, device: DeviceModel = DEVICE) -> float:
+    """The cost model's time of one training step on a rank (see the module docstring);
+    ``model``: the model on meta (``params.meta_model``), whose parameters are counted."""
+    args = model.args
     sizes = workload(job_config, dims)
     b = DTYPE_BYTES[job_config.training.mixed_precision_param]
-    rank_tokens = sizes.tokens * dims.cp  # a micro-batch's tokens, all CP shares
-    step_tokens = rank_tokens * _num_microbatches(job_config, dims)
-    active = _active_params(args)
-    share = dims.tp * dims.cp * dims.pp
+    # A GRPO step trains its rollouts in mini-batches, each of ``sizes``' micro-batches.
+    rl = job_config.rl
+    passes = rl.num_minibatches * rl.ppo_epochs if job_config.job.recipe == "grpo" else 1
+    micro_batches = sizes.num_microbatches * passes
+    total = sum(p.numel() for p in model.parameters())
+    # A token passes through its top-k experts only.
+    experts = sum(p.numel() for name, p in model.named_parameters() if is_expert(name))
+    active = total - experts * (1 - args.num_experts_per_tok / args.num_experts) if args.is_moe else total
     ac = job_config.activation_checkpoint
     recompute = {"none": 0.0, "full": 1.0, "selective": 1.0 / ac.selective_every}[ac.mode]
-    compute = (6 + 2 * recompute) * active * step_tokens / share / device.flops
-    micro_batches = _num_microbatches(job_config, dims)
-    layers = args.n_layers / dims.pp
-    tp_bytes = 8 * sizes.tokens * args.dim * b * (dims.tp - 1) / dims.tp if dims.tp > 1 else 0
-    kv = 2 * args.n_kv_heads * args.head_dim // dims.tp
-    cp_bytes = 2 * sizes.tokens * kv * b * (dims.cp - 1) if dims.cp > 1 else 0
-    exposed = layers * micro_batches * (tp_bytes + cp_bytes) / device.node_bandwidth
+    tokens = sizes.tokens * dims.cp * micro_batches  # all CP shares
+    compute = (6 + 2 * recompute) * active * tokens / (dims.tp * dims.cp * dims.pp) / device.flops
+    tp_bytes = 8 * sizes.tokens * args.dim * b * (dims.tp - 1) / dims.tp
+    cp_bytes = 2 * sizes.tokens * 2 * args.n_kv_heads * args.head_dim // dims.tp * b * (dims.cp - 1)
+    exposed = args.n_layers / dims.pp * micro_batches * (tp_bytes + cp_bytes) / device.node_bandwidth
     fsdp = dims.fsdp_degree
     if dims.dp_replicate * fsdp > 1:
-        params = args_param_count(args) / (dims.tp * dims.pp)
         link = device.network_bandwidth if fsdp * dims.tp > device.gpus_per_node else device.node_bandwidth
-        fsdp_seconds = 3 * params * b * (fsdp - 1) / max(fsdp, 1) / link
+        fsdp_seconds = passes * 3 * total / (dims.tp * dims.pp) * b * (fsdp - 1) / fsdp / link
         exposed += max(0.0, fsdp_seconds - compute)
-    bubble = (dims.pp - 1) / micro_batches if dims.pp > 1 else 0.0
+    bubble = (dims.pp - 1) / sizes.num_microbatches if dims.pp > 1 else 0.0
     return compute * (1 + bubble) + exposed
-
-
-def _num_microbatches(job_config: JobConfig, dims: ParallelDims) -> int:
-    sizes = workload(job_config, dims)
-    t = job_config.training
-    samples = -(-t.global_batch_size // dims.batch_degree)
-    return max(1, -(-samples * t.seq_len // max(sizes.tokens * dims.cp, 1)))
-
-
-def _active_params(args) -> float:
-    """Parameters one token passes through (MoE: the routed experts only)."""
-    total = args_param_count(args)
-    if not args.is_moe:
-        return total
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.n_layers))
-    per_expert = 3 * args.dim * args.moe_hidden_dim
-    return total - moe_layers * per_expert * (args.num_experts - args.num_experts_per_tok)
-
-
-def args_param_count(args) -> float:
-    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    total = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    for layer in range(args.n_layers):
-        if args.is_moe_layer(layer):
-            mlp = args.num_experts * 3 * args.dim * args.moe_hidden_dim + args.num_experts * args.dim
-        else:
-            mlp = 3 * args.dim * args.hidden_dim
-        total += attention + mlp
-    return total
 
 
 def search_layouts(
@@ -211,7 +187,7 @@ def search_layouts(
                     config.generation.max_prompts_per_batch = kv_prompts
                 estimates = estimate_memory(config, model_args, dims, lora, compute_dtype, model)
                 if all(e.fits(device_bytes) for e in estimates):
-                    seconds = step_seconds(config, model_args, dims, device)
+                    seconds = step_seconds(config, model, dims, device)
                     fitting.append(Candidate(parallelism, ac_mode, kv_prompts, tuple(estimates), seconds))
                     break
     return sorted(fitting, key=lambda c: (c.seconds, c.peak))
