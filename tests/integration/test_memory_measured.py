@@ -29,8 +29,7 @@ CASES = {
     "one_rank": (1, SFT),
     "dp2_full_checkpointing": (2, [*SFT, "--activation_checkpoint.mode", "full"]),
     "tp2_lora": (2, [*SFT, "--parallelism.tensor_parallel_degree", "2", "--lora.enable", "true"]),
-    "cp2": (2, [*SFT, "--parallelism.context_parallel_degree", "2"]),
-    "moe_model": (1, [*SFT, "--model.flavor", "debugmodel_moe"]),
+    "cp2_moe_model": (2, [*SFT, "--parallelism.context_parallel_degree", "2", "--model.flavor", "debugmodel_moe"]),
     "grpo": (1, [*GRPO, "--rl.eval_interval", "0"]),
 }
 
