@@ -68,7 +68,7 @@ def test_saved_activations_equal_what_autograd_keeps(flavor, dtype, lengths, lor
     measured = _saved_bytes(model, lambda: model(tokens, positions, seq_ids))
     adapted = frozenset(settings.target_modules) if lora else frozenset()
     mb = MicroBatch(num_tokens, 1, dtype.itemsize, 8 if lora else 0, adapted, frozen_input=lora)
-    estimated = forward_memory(args, tuple(range(args.n_layers)), mb, "none", 1).saved
+    estimated = forward_memory(args, [tuple(range(args.n_layers))], mb, "none", 1).saved
     # The final norm, which the estimate books under the loss (loss_bytes).
     estimated += mb.norm(num_tokens, args.dim)
     # Uneven lengths pad a few documents into the kernel's batch: 1 % at most here.
@@ -89,9 +89,11 @@ def test_saved_vision_activations_equal_what_autograd_keeps():
 def test_checkpointed_blocks_keep_only_their_input():
     args = dataclasses.replace(qwen3_flavors["debugmodel"], attn_backend="sdpa_varlen")
     mb = MicroBatch(512, 1, 4)
-    full = forward_memory(args, (0, 1), mb, "none", 1)
-    checkpointed = forward_memory(args, (0, 1), mb, "full", 1)
-    selective = forward_memory(args, (0, 1), mb, "selective", 2)
+    full = forward_memory(args, [(0, 1)], mb, "none", 1)
+    checkpointed = forward_memory(args, [(0, 1)], mb, "full", 1)
+    selective = forward_memory(args, [(0, 1)], mb, "selective", 2)
+    # Two pipeline stages of one block each: each stage checkpoints its first block.
+    assert forward_memory(args, [(0,), (1,)], mb, "selective", 2) == checkpointed
     rotary = 2 * 512 * args.head_dim * 4
     block, block_input = (full.saved - rotary) // 2, 512 * args.dim * 4
     gradients = (3 * 512 * args.hidden_dim + 512 * args.dim) * 4

@@ -14,15 +14,20 @@ from torch.utils.checkpoint import checkpoint
 AC_MODES = ("none", "full", "selective")
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 1) -> None:
-    """Recompute the activations of every block (``full``) or of every ``every``-th block
-    (``selective``) in backward instead of keeping them."""
+def checkpointed_positions(num_blocks: int, mode: str, every: int = 1) -> list[int]:
+    """Which of ``num_blocks`` blocks (positions in forward order) ``mode`` recomputes: every
+    one (``full``), every ``every``-th from the first (``selective``) or none."""
     if mode not in AC_MODES:
         raise ValueError(f"activation_checkpoint.mode: {mode!r} is not one of {', '.join(AC_MODES)}")
     if mode == "none":
-        return
-    for i, block in enumerate(blocks):
-        if mode == "full" or i % every == 0:
-            # Non-reentrant: works with inputs that need no gradient and with FSDP2's hooks,
-            # which unshard the block's parameters again before its recomputation in backward.
-            block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        return []
+    return [i for i in range(num_blocks) if mode == "full" or i % every == 0]
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 1) -> None:
+    """Recompute the activations of the blocks ``checkpointed_positions`` names in backward
+    instead of keeping them."""
+    for i in checkpointed_positions(len(blocks), mode, every):
+        # Non-reentrant: works with inputs that need no gradient and with FSDP2's hooks,
+        # which unshard the block's parameters again before its recomputation in backward.
+        blocks[i].forward = functools.partial(checkpoint, blocks[i].forward, use_reentrant=False)

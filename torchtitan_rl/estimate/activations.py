@@ -23,6 +23,8 @@ copy, their outputs before and after the router weights, and the routing's index
 
 from dataclasses import dataclass
 
+from torchtitan_rl.distributed.activation_checkpoint import checkpointed_positions
+
 FLOAT32 = 4
 # The decoder's linear layers LoRA may adapt, in the names of ``lora.target_modules``.
 ADAPTABLE = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -127,16 +129,6 @@ def vision_tower_bytes(vision_args, num_patches: int, b: int) -> int:
     return patches + norm + rotary + vision_args.n_layers * block
 
 
-def checkpointed(layers: tuple[int, ...], mode: str, every: int) -> set[int]:
-    """The blocks activation checkpointing recomputes (``distributed.activation_checkpoint``:
-    ``selective`` takes every ``every``-th block of the rank's blocks in order)."""
-    if mode == "full":
-        return set(layers)
-    if mode == "selective":
-        return {layer for i, layer in enumerate(layers) if i % every == 0}
-    return set()
-
-
 @dataclass(frozen=True)
 class ForwardMemory:
     """One micro-batch's forward and backward: ``saved`` bytes kept for backward by every block
@@ -150,8 +142,11 @@ class ForwardMemory:
     rebuild: int
 
 
-def forward_memory(args, layers: tuple[int, ...], mb: MicroBatch, ac_mode: str, ac_every: int) -> ForwardMemory:
-    recomputed = checkpointed(layers, ac_mode, ac_every)
+def forward_memory(args, stages: list[tuple[int, ...]], mb: MicroBatch, ac_mode: str, ac_every: int) -> ForwardMemory:
+    """``stages``: the decoder layers of each pipeline stage the rank runs (one tuple without
+    pipeline parallel); checkpointing picks its blocks per stage, counting from the stage's first."""
+    recomputed = {stage[i] for stage in stages for i in checkpointed_positions(len(stage), ac_mode, ac_every)}
+    layers = tuple(layer for stage in stages for layer in stage)
     per_layer = {layer: layer_bytes(args, layer, mb) for layer in layers}
     block_input = mb.local * args.dim * mb.b
     kept = {layer: block_input if layer in recomputed else size for layer, size in per_layer.items()}

@@ -218,7 +218,7 @@ def _training_rank(
         frozenset(lora.target_modules) & frozenset(ADAPTABLE) if lora is not None else frozenset(),
         frozen_input=lora is not None and not lora.train_embeddings,
     )
-    fwd = forward_memory(args, shard.layers, mb, ac.mode, ac.selective_every)
+    fwd = forward_memory(args, [tuple(layers) for layers, _, _ in stages], mb, ac.mode, ac.selective_every)
     items = [
         Item("parameters", shard.trainable * FLOAT32 + shard.frozen * frozen_b, _params_note(shard, lora)),
         Item("gradients", shard.trainable * FLOAT32, "float32, sharded like the parameters"),
