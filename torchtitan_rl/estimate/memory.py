@@ -23,7 +23,7 @@ from torch import nn
 
 from torchtitan_rl.config import JobConfig
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
-from torchtitan_rl.distributed.pipeline import SCHEDULES, layer_ranges, num_stages_of, stage_ids
+from torchtitan_rl.distributed.pipeline import SCHEDULES, plan_pipeline
 from torchtitan_rl.estimate.activations import (
     ADAPTABLE,
     FLOAT32,
@@ -141,12 +141,11 @@ def _stages_of_rank(job_config: JobConfig, dims: ParallelDims, num_layers: int) 
     if dims.pp == 1:
         return [[(range(num_layers), True, True)]]
     p = job_config.parallelism
-    num_stages = num_stages_of(num_layers, dims.pp, p.pipeline_schedule, p.pipeline_layers_per_stage)
-    ranges = layer_ranges(num_layers, num_stages, p.pipeline_layers_per_stage)
-    return [
-        [(ranges[s], s == 0, s == num_stages - 1) for s in stage_ids(p.pipeline_schedule, rank, dims.pp, num_stages)]
+    plans = [
+        plan_pipeline(num_layers, dims.pp, rank, p.pipeline_schedule, p.pipeline_layers_per_stage)
         for rank in range(dims.pp)
     ]
+    return [[(plan.layers[s], s == 0, s == plan.num_stages - 1) for s in plan.local_stages] for plan in plans]
 
 
 def estimate_memory(

@@ -72,10 +72,7 @@ def model_args_from_config(
     with a score head in place of the LM head (``as_reward_model``), whether the flavor or the
     initial checkpoint is a language model or already a reward model."""
     spec = get_model_spec(job_config.model.name)
-    if job_config.model.flavor == HF_FLAVOR:
-        args = hf_flavor_args(job_config, spec, resolve_attn_backend(job_config.model.attn_backend, device))
-    else:
-        args = spec.flavors[job_config.model.flavor]
+    args = flavor_args(job_config, spec, resolve_attn_backend(job_config.model.attn_backend, device))
     if reward_model:
         args = as_reward_model(args)
     elif args.score_head:
@@ -112,6 +109,14 @@ def model_args_from_config(
             f"has only {args.vocab_size} embeddings"
         )
     return args
+
+
+def flavor_args(job_config: JobConfig, spec, attn_backend: str):
+    """The architecture ``model.flavor`` names: one of ``spec``'s flavors, or with
+    ``model.flavor = "hf"`` that of the HF ``config.json`` (see ``hf_flavor_args``)."""
+    if job_config.model.flavor == HF_FLAVOR:
+        return hf_flavor_args(job_config, spec, attn_backend)
+    return spec.flavors[job_config.model.flavor]
 
 
 def hf_flavor_args(job_config: JobConfig, spec, attn_backend: str):

@@ -2,23 +2,18 @@
 ``--estimate.search`` the layouts that fit, printed instead of training (docs/memory.md)."""
 
 from torchtitan_rl.config import JobConfig
-from torchtitan_rl.config.validation import HF_FLAVOR
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.estimate.memory import GIB, estimate_memory, fits_text, format_table
 from torchtitan_rl.estimate.search import search_layouts
 from torchtitan_rl.models.qwen3.args import as_reward_model
 from torchtitan_rl.models.registry import get_model_spec
-from torchtitan_rl.recipes.base import hf_flavor_args, lora_settings
+from torchtitan_rl.recipes.base import flavor_args, lora_settings
 
 
 def estimate_model_args(job_config: JobConfig):
     """The architecture the run would build (the flavor's, or an HF ``config.json``'s), without
     a tokenizer or device: what memory depends on."""
-    spec = get_model_spec(job_config.model.name)
-    if job_config.model.flavor == HF_FLAVOR:
-        args = hf_flavor_args(job_config, spec, "sdpa_varlen")
-    else:
-        args = spec.flavors[job_config.model.flavor]
+    args = flavor_args(job_config, get_model_spec(job_config.model.name), "sdpa_varlen")
     return as_reward_model(args) if job_config.job.recipe == "reward_model" else args
 
 
