@@ -100,19 +100,20 @@ def _constants(schedule: StopSchedule, vocab: int, device: torch.device, dtype: 
 
 
 def with_stop_schedule(generator_or_class, schedule: StopSchedule):
-    """``generator_or_class`` (a ``TorchGenerator`` subclass or instance) whose ``logits``
-    applies ``schedule``: a class gives a subclass to construct as usual; an instance has its
-    class swapped for that subclass (and is returned)."""
+    """``generator_or_class`` (a ``TorchGenerator`` subclass or instance) whose forwards
+    (``logits_and_routing``, which every one goes through) apply ``schedule``: a class gives a
+    subclass to construct as usual; an instance has its class swapped for that subclass (and is
+    returned)."""
     cls = generator_or_class if isinstance(generator_or_class, type) else type(generator_or_class)
 
     class ScheduledGenerator(cls):
         stop_schedule = schedule
 
-        def logits(self, tokens, positions, seq_ids, attention=None, rows=None, vision=None):
-            out = super().logits(tokens, positions, seq_ids, attention, rows, vision)
+        def logits_and_routing(self, tokens, positions, seq_ids, attention=None, rows=None, vision=None, keep=None):
+            out, routing = super().logits_and_routing(tokens, positions, seq_ids, attention, rows, vision, keep)
             if rows is not None:
                 tokens, positions = tokens.index_select(0, rows), positions.index_select(0, rows)
-            return self.stop_schedule.apply(out, tokens, positions)
+            return self.stop_schedule.apply(out, tokens, positions), routing
 
     ScheduledGenerator.__name__ = ScheduledGenerator.__qualname__ = f"Scheduled{cls.__name__}"
     if isinstance(generator_or_class, type):

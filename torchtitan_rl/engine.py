@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torchtitan_rl.data.balance import DEFAULT_COST_MODEL, CostModel, plan_microbatches, spread_microbatches
 from torchtitan_rl.data.cp_split import shard_microbatch
 from torchtitan_rl.data.packing import MicroBatch, VisionPacking, build_microbatches, padding_microbatch
-from torchtitan_rl.data.sample import Sample, find_input_problem, find_vision_problem
+from torchtitan_rl.data.sample import Sample, find_input_problem, find_routing_problem, find_vision_problem
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.context_parallel import gather_from_cp_ranks
 from torchtitan_rl.distributed.fsdp import reshard
@@ -101,6 +101,9 @@ class EngineOptions:
     max_patches_per_microbatch: int = 0
     # MoE models: their router losses (None: a dense model).
     router: RouterLossConfig | None = None
+    # MoE models: what the forwards do with the experts a sampler recorded (``Sample.routed_experts``):
+    # "rollout" routes those tokens to them, "record" only compares (moe/routing_agreement), "off" ignores them.
+    router_replay: str = "off"
     # Split a rank's samples into at least this many micro-batches when they have enough
     # samples (pipeline parallel: the stages work on different micro-batches at once).
     min_microbatches: int = 1
@@ -155,6 +158,11 @@ class Engine:
         if problem is None:
             patch_dim, merge_size = (vision.patch_dim, vision.merge_size) if vision is not None else (None, 1)
             problem = find_vision_problem(samples, patch_dim, merge_size)
+        if problem is None and self.options.router_replay != "off":
+            args = self.model.args
+            problem = find_routing_problem(
+                samples, len(args.moe_layers), args.num_experts_per_tok, args.num_experts if args.is_moe else 0
+            )
         if problem is None:
             try:
                 plan = plan_microbatches(
@@ -256,10 +264,16 @@ class Engine:
             kwargs["attention"] = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
         if self.options.router is None:
             return self.model(mb.input_ids, mb.positions, mb.seq_ids, **kwargs), None
-        # Padding never enters router statistics: how much of it there is depends on the layout.
-        return self.model(
-            mb.input_ids, mb.positions, mb.seq_ids, router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs, **kwargs
-        )
+        return self.model(mb.input_ids, mb.positions, mb.seq_ids, **self._routing_kwargs(mb), **kwargs)
+
+    def _routing_kwargs(self, mb: MicroBatch) -> dict[str, Any]:
+        """A MoE model's per-micro-batch routing inputs: which tokens its statistics count (padding
+        never: how much of it there is depends on the layout) and, with routing replay, the
+        experts the sampler recorded."""
+        kwargs = {"router_mask": mb.real_token_mask(), "num_seqs": mb.num_seqs}
+        if self.options.router_replay != "off" and mb.routed_experts is not None:
+            kwargs.update(routed_experts=mb.routed_experts, replay_routing=self.options.router_replay == "rollout")
+        return kwargs
 
     def _hidden(self, mb: MicroBatch, attention: AttentionContext | None) -> tuple[torch.Tensor, object]:
         """The final hidden states of a device-resident micro-batch, divided by the sampling
@@ -495,11 +509,18 @@ class Engine:
         counts = stats.counts.sum(1)
         if metrics is None:
             return RouterMetrics(
-                aux.detach(), z.detach(), counts, tuple(self.model.args.moe_layers), self.options.router
+                aux.detach(),
+                z.detach(),
+                counts,
+                tuple(self.model.args.moe_layers),
+                self.options.router,
+                stats.agreement if self.options.router_replay != "off" else None,
             )
         metrics.aux_loss = metrics.aux_loss + aux.detach()
         metrics.z_loss = metrics.z_loss + z.detach()
         metrics.counts = metrics.counts + counts
+        if metrics.agreement is not None:
+            metrics.agreement = metrics.agreement + stats.agreement
         return metrics
 
     @torch.no_grad()

@@ -81,8 +81,7 @@ class PipelineEngine(Engine):
             # A CP share attends to the keys of every share of its micro-batch.
             kwargs["attention"] = cp_attention_context(cp_mesh, self.model.args.attn_backend, mb.seq_ids, mb.positions)
         if self.options.router is not None:
-            # Padding never enters router statistics: how much of it there is depends on the layout.
-            kwargs.update(router_mask=mb.real_token_mask(), num_seqs=mb.num_seqs)
+            kwargs.update(self._routing_kwargs(mb))
         return (first, mb.positions, mb.seq_ids), kwargs
 
     def _stage_output(self, module, index: int, output) -> torch.Tensor:
@@ -110,7 +109,7 @@ class PipelineEngine(Engine):
             expert_counts,
             mb_counts,
         )
-        routing.add(self._moe_slots[stage], aux.detach(), z.detach(), stats.counts.sum(1))
+        routing.add(self._moe_slots[stage], aux.detach(), z.detach(), stats.counts.sum(1), stats.agreement)
         router = self.options.router
         return _WithLoss.apply(hidden, router.aux_loss_coef * aux + router.z_loss_coef * z)
 
@@ -270,16 +269,24 @@ class PipelineEngine(Engine):
     def _router_metrics(self, routing: "_RouterPass") -> RouterMetrics:
         """The step's router metrics of every stage: the partial losses summed over the stages,
         the counts of every MoE layer in order (the same on every pipeline rank)."""
-        mine = {"aux": routing.aux, "z": routing.z, **{("counts", slot): c for slot, c in routing.counts.items()}}
+        mine = {
+            "aux": routing.aux,
+            "z": routing.z,
+            **{("counts", slot): c for slot, c in routing.counts.items()},
+            **{("agreement", slot): a for slot, a in routing.agreement.items()},
+        }
         everyone = self._gather_over_pipeline(mine, merge=False)
-        counts = {key[1]: value for part in everyone for key, value in part.items() if key[0] == "counts"}
-        layers = tuple(self.model.args.moe_layers)
+        per_layer = {key: value for part in everyone for key, value in part.items() if isinstance(key, tuple)}
+        layers = range(len(self.model.args.moe_layers))
         return RouterMetrics(
             sum(part["aux"] for part in everyone),
             sum(part["z"] for part in everyone),
-            torch.stack([counts[slot] for slot in range(len(layers))]),
-            layers,
+            torch.stack([per_layer["counts", slot] for slot in layers]),
+            tuple(self.model.args.moe_layers),
             self.options.router,
+            torch.stack([per_layer["agreement", slot] for slot in layers])
+            if self.options.router_replay != "off"
+            else None,
         )
 
     @torch.no_grad()
@@ -343,6 +350,7 @@ class _RouterPass:
     aux: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     z: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     counts: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer slot -> this rank's [E]
+    agreement: dict[int, torch.Tensor] = field(default_factory=dict)  # MoE layer slot -> this rank's [2]
 
     def counts_for(self, index: int, slots: list[int]):
         """(expert_counts, mb_counts) for ``losses.router.partial_router_losses``: every layer's (pooled) or the
@@ -354,8 +362,11 @@ class _RouterPass:
             mb = None if mb is None else mb[slots]
         return expert, mb
 
-    def add(self, slots: list[int], aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor) -> None:
+    def add(
+        self, slots: list[int], aux: torch.Tensor, z: torch.Tensor, counts: torch.Tensor, agreement: torch.Tensor
+    ) -> None:
         self.aux = self.aux.to(aux.device) + aux
         self.z = self.z.to(z.device) + z
         for k, slot in enumerate(slots):
             self.counts[slot] = self.counts[slot] + counts[k] if slot in self.counts else counts[k]
+            self.agreement[slot] = self.agreement[slot] + agreement[k] if slot in self.agreement else agreement[k]

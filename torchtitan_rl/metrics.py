@@ -106,12 +106,28 @@ class MetricsLogger:
         ranks included) and the step's top-k counts ``[L, E]`` of the whole mini-batch.
 
         ``moe/aux_loss`` and ``moe/z_loss`` (unweighted) when their coefficient is on;
-        ``moe/load_imbalance/layer_{i}``: the busiest expert's count over the mean count."""
-        # One collective for the losses and the counts.
-        packed = torch.cat([torch.stack([router.aux_loss, router.z_loss]), router.counts.flatten().float()])
+        ``moe/load_imbalance/layer_{i}``: the busiest expert's count over the mean count; with
+        routing replay ``moe/routing_agreement`` (and ``/layer_{i}``): the share of the recorded
+        top-k choices that the trainer's own routing also made."""
+        # One collective for the losses, the counts and the agreement counts.
+        agreement = router.agreement if router.agreement is not None else router.counts.new_zeros(0, 2)
+        packed = torch.cat(
+            [
+                torch.stack([router.aux_loss, router.z_loss]),
+                router.counts.flatten().float(),
+                agreement.flatten().float(),
+            ]
+        )
         packed = all_reduce(packed, "sum", self.parallel_dims.mesh("world"))
-        losses, counts = packed[:2], packed[2:].view_as(router.counts)
+        losses, counts = packed[:2], packed[2 : 2 + router.counts.numel()].view_as(router.counts)
         values = {}
+        if router.agreement is not None:
+            matched, compared = packed[2 + router.counts.numel() :].view(-1, 2).double().unbind(-1)
+            # Nothing compared (no recorded token in the step): no value rather than a made-up one.
+            if float(compared.sum()) > 0:
+                values["moe/routing_agreement"] = float(matched.sum() / compared.sum())
+                for layer, m, c in zip(router.layer_ids, matched.tolist(), compared.tolist()):
+                    values[f"moe/routing_agreement/layer_{layer}"] = m / c
         if router.config.aux_loss_coef > 0:
             values["moe/aux_loss"] = float(losses[0])
         if router.config.z_loss_coef > 0:

@@ -5,6 +5,8 @@ On the layouts of ``MOE_LAYOUTS`` a tiny Qwen3-MoE (dense first layer, then MoE 
 load-balancing loss (pooled and summed over layers) with the z-loss, at a budget that gives
 several micro-batches per rank (and a filler micro-batch on some ranks), and an aux-only
 objective (the router losses' gradient must not scale with the CP / TP degree).
+Routing replay (``REPLAY``): the "uneven" batch with the experts a sampler would have recorded
+(``replay_batch``), replayed on every layout and on one expert-parallel layout (``EP_REPLAY``).
 Expert parallel (``EP_LAYOUTS``): a model with more experts runs the global and sequence
 scopes with the z-loss and a clipped AdamW step under each ep degree, recording what the
 dispatch saw so that the test can assert its premises (``DispatchSpy``).
@@ -25,6 +27,7 @@ import layout_cases as lc
 import lora_cases
 import torchtitan_rl.hf_checkpoint as hf_checkpoint
 from torchtitan_rl.checkpoint import _ModelState, _OptimizerState
+from torchtitan_rl.data.sample import Sample
 from torchtitan_rl.distributed.clip import clip_grad_norm_
 from torchtitan_rl.distributed.parallel_dims import ParallelDims
 from torchtitan_rl.engine import Engine, EngineOptions
@@ -59,6 +62,14 @@ MICROBATCH_CONFIG = RouterLossConfig(aux_loss_coef=0.3, aux_loss_scope="microbat
 # experts are not adapted): only the adapters train, the router losses still count.
 LORA = "lora_global_pooled"
 LORA_SETTINGS = LoRASettings(rank=2, alpha=4.0, target_modules=("wq", "wo", "w1", "w2"))
+# Routing replay on: the global pooled losses of the "uneven" batch whose samples carry the
+# experts a sampler recorded (``replay_batch``), routed to them (router_replay="rollout").
+REPLAY = "replay_global_pooled"
+REPLAY_CONFIG = ROUTER_CONFIGS["global_pooled"]
+# Sample 1 carries no record (routed_experts None: packed as -1 rows beside recorded samples),
+# sample 4 a record of -1 rows only; of the others' (token, layer) rows this share is recorded.
+REPLAY_NONE, REPLAY_EMPTY = 1, 4
+REPLAY_RECORDED_SHARE = 0.75
 ROUTER_STD = 1.0  # HF's init std of 0.02 leaves top-k near-ties that float noise flips
 # Expert parallel: world layout -> the ep degrees run on it. dp 4 with ep 1, 2 (EP x FSDP) and
 # 4 (every rank its own experts); ep 2 over the tp pair (EP2 x TP2), over the cp pair
@@ -68,6 +79,9 @@ EP_CASES = ("global_pooled", "sequence_pooled")
 # Layouts that run the global scope only (CI time): the sequence scope's counts never cross ranks.
 EP_GLOBAL_ONLY = ((2, 2, 1, 1), (1, 2, 1, 1))
 EP_NUM_EXPERTS = 8
+# The one expert-parallel (layout, ep degree) that also runs the replay case (CI time): dp 4 with
+# every rank its own experts, so replayed experts are dispatched to other ranks.
+EP_REPLAY = ((1, 4, 1, 1), 4)
 EP_MAX_NORM = 0.05  # below the cases' gradient norm: the step clips
 
 
@@ -97,6 +111,24 @@ def set_router_weights(model: torch.nn.Module) -> None:
             lc.set_full_(param, full)
 
 
+def replay_batch(args: Qwen3ModelArgs) -> list[Sample]:
+    """The "uneven" batch with ``routed_experts``: each recorded (token, MoE layer) row holds k
+    distinct experts drawn uniformly, independently of the model, so about 1 - k / E of the
+    recorded choices differ from the router's own and replay changes the routing. The same on
+    every rank and in the reference (a fixed seed)."""
+    gen = torch.Generator().manual_seed(7)
+    num_layers, k, num_experts = len(args.moe_layers), args.num_experts_per_tok, args.num_experts
+    samples = lc.global_batch("uneven")
+    for i, sample in enumerate(samples):
+        experts = torch.rand(len(sample), num_layers, num_experts, generator=gen).argsort(-1)[..., :k]
+        recorded = torch.rand(len(sample), num_layers, 1, generator=gen) < REPLAY_RECORDED_SHARE
+        if i == REPLAY_EMPTY:
+            recorded.zero_()
+        if i != REPLAY_NONE:
+            sample.routed_experts = torch.where(recorded, experts, -1).to(torch.int16)
+    return samples
+
+
 def case_key(layout: tuple, name: str, ep: int | None = None) -> str:
     return "moe/rep{}_shard{}_cp{}_tp{}".format(*layout) + ("" if ep is None else f"_ep{ep}") + f"/{name}"
 
@@ -118,6 +150,7 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
     cases = [(name, ROUTER_CONFIGS[name], "uneven", model) for name in moe_cases(layout)]
     cases.append((AUX_ONLY, AUX_ONLY_CONFIG, "no_loss", model))
     cases.append((LORA, ROUTER_CONFIGS["global_pooled"], "uneven", lora_model))
+    cases.append((REPLAY, REPLAY_CONFIG, "replay", model))
     if dims.batch_degree == 1:
         # Layout-dependent on purpose, but exact for a given micro-batch plan (here the same
         # 3 micro-batches on every layout without data parallel), whatever CP / TP split them.
@@ -129,8 +162,9 @@ def run_moe_checks(dims: ParallelDims, results: dict) -> None:
 def run_case(
     model, dims: ParallelDims, config: RouterLossConfig, variant: str, max_norm: float | None = None, optimizer=None
 ):
-    """One ``forward_backward`` of this rank's share of the batch ``variant``: the gradients
-    and logged values; with ``max_norm``, then a clipped AdamW step (of ``optimizer``, else a
+    """One ``forward_backward`` of this rank's share of the batch ``variant`` ("replay": the
+    ``replay_batch`` of ``model``, its recorded experts replayed): the gradients and logged
+    values; with ``max_norm``, then a clipped AdamW step (of ``optimizer``, else a
     new one) and the stepped weights."""
     optimizer = optimizer or build_optimizer(model, lc.LR, 0.9, 0.95, lc.ADAM_EPS, 0.1)
     scheduler = build_lr_scheduler(optimizer, 10, 0, "linear", 0.0)
@@ -141,6 +175,7 @@ def run_case(
         logits_chunk_size=16,
         max_norm=max_norm or 0.0,
         router=config,
+        router_replay="rollout" if variant == "replay" else "off",
     )
     engine = Engine(
         model,
@@ -150,8 +185,9 @@ def run_case(
         device=torch.device("cpu"),
         options=options,
     )
+    samples = replay_batch(model.args) if variant == "replay" else lc.global_batch(variant)
     share = lc.GLOBAL_BATCH_SIZE // dims.batch_degree
-    fb = engine.forward_backward(lc.global_batch(variant)[dims.batch_rank() * share : (dims.batch_rank() + 1) * share])
+    fb = engine.forward_backward(samples[dims.batch_rank() * share : (dims.batch_rank() + 1) * share])
     grads = {fqn: lc.full(p.grad) for fqn, p in model.named_parameters() if p.requires_grad}
     if max_norm is None:
         optim = {"grad_norm": clip_grad_norm_(list(model.parameters()), 0.0), "lr": lc.LR}
@@ -235,6 +271,10 @@ def run_expert_parallel_checks(layout: tuple, world_size: int, results: dict) ->
             if spy is not None:
                 entry["dispatch"] = spy.totals()
             results[case_key(layout, name, ep)] = entry
+        if (layout, ep) == EP_REPLAY:
+            model, optimizer = _ep_model(dims, lc.SEED)
+            entry = run_case(model, dims, REPLAY_CONFIG, "replay", max_norm=EP_MAX_NORM, optimizer=optimizer)
+            results[case_key(layout, REPLAY, ep)] = entry
 
 
 # Checkpoints under expert parallel, on dp 4: DCP resume across ep 1 <-> 2, and HF exports of

@@ -6,7 +6,8 @@ below through a ``PipelineEngine``: every SFT reduction mode (on 2 ranks; token_
 more), the PPO loss with KL, entropy and rollout weights under prompt_mean, GSPO's per-sequence
 ratios, a clipped AdamW step, and the forward log-probs and entropies. ``LORA_LAYOUT`` also
 trains adapters and exports them (PEFT and merged); ``MOE_LAYOUTS`` run a MoE model whose first
-stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel;
+stage is dense under every router-loss case of ``MOE_CASES``, one of them with expert parallel,
+one (``MOE_REPLAY_LAYOUT``) also with routing replay;
 ``VLM_LAYOUTS`` a vision-language model whose first stage encodes the images. On 4 ranks a
 checkpoint of one split loads into another split and into no pipeline. Rank 0 records the whole gradient
 (every stage's, gathered), the logged metrics, the stepped weights, the log-probs and the
@@ -77,6 +78,9 @@ MOE_LAYOUTS = {
     4: ((2, 1, 2, 1, 1, "InterleavedZeroBubble"), (2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "1F1B", 2)),
 }
 MOE_CASES = ("global_pooled", "sequence_pooled", "global_sum")
+# The MoE layout that also replays recorded experts (moe_cases.REPLAY): each MoE layer is a stage
+# of its own, on the two pipeline ranks, so each stage picks its layer's column of the record.
+MOE_REPLAY_LAYOUT = (2, 1, 2, 1, 1, "InterleavedZeroBubble")
 # Vision-language layouts (the model of vlm_model_args, the batch of vlm_cases: images of uneven
 # counts and sizes, a DP rank without any): every VLM mode, then a clipped AdamW step.
 VLM_LAYOUTS = {2: ((2, 1, 1, 1, 1, "1F1B"),), 4: ((2, 1, 1, 1, 2, "1F1B"), (2, 1, 2, 1, 1, "Interleaved1F1B"))}
@@ -158,8 +162,15 @@ def moe_model_args():
     return dataclasses.replace(moe_cases.model_args(), n_layers=4, mlp_only_layers=(0, 1))
 
 
-def moe_options(config) -> EngineOptions:
-    return dataclasses.replace(options("token_mean"), router=config)
+def moe_options(name: str) -> EngineOptions:
+    """The options of a MoE case: its router losses, routing replay on for moe_cases.REPLAY."""
+    replay = name == moe_cases.REPLAY
+    config = moe_cases.REPLAY_CONFIG if replay else moe_cases.ROUTER_CONFIGS[name]
+    return dataclasses.replace(options("token_mean"), router=config, router_replay="rollout" if replay else "off")
+
+
+def moe_batch(name: str) -> list:
+    return moe_cases.replay_batch(moe_model_args()) if name == moe_cases.REPLAY else lc.global_batch("uneven")
 
 
 def run_pipeline_checks(world_size: int, results: dict) -> None:
@@ -303,7 +314,8 @@ def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
     moe_cases.set_router_weights(model)
     layout = layout_name(dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, schedule, dims.ep)
     metrics = MetricsLogger(dims, device, dist.get_rank(), tb_folder=None, num_params=1, flops_per_token_context=1)
-    for name in MOE_CASES:
+    replay = (moe_cases.REPLAY,) if layout == layout_name(*MOE_REPLAY_LAYOUT) else ()
+    for name in (*MOE_CASES, *replay):
         engine = PipelineEngine(
             model,
             pipeline=plan,
@@ -311,9 +323,9 @@ def _run_moe_layout(dims: ParallelDims, schedule: str, results: dict) -> None:
             lr_scheduler=None,
             parallel_dims=dims,
             device=device,
-            options=dataclasses.replace(moe_options(moe_cases.ROUTER_CONFIGS[name]), min_microbatches=plan.num_stages),
+            options=dataclasses.replace(moe_options(name), min_microbatches=plan.num_stages),
         )
-        fb = engine.forward_backward(_share(lc.global_batch("uneven"), dims))
+        fb = engine.forward_backward(_share(moe_batch(name), dims))
         results[f"pipeline/moe/{layout}/{name}"] = record(engine, fb, metrics, step=False)
 
 

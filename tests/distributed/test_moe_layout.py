@@ -1,6 +1,7 @@
 """Router losses are exact for any layout: with the load-balancing loss (global and sequence
 scopes, pooled and summed over layers; the micro-batch scope for a fixed micro-batch plan)
-and the z-loss on, gradients (router and experts; with LoRA on attention and the dense MLP,
+and the z-loss on, also with routing replay (recorded experts replayed; moe/routing_agreement
+logged), gradients (router and experts; with LoRA on attention and the dense MLP,
 the adapters'),
 grad norm and the logged moe/aux_loss, moe/z_loss and moe/load_imbalance on dp 2, cp 2, tp 2, dp2 x cp2 and
 cp2 x tp2, with several micro-batches per rank and a filler micro-batch, equal a one-process
@@ -8,6 +9,7 @@ reference that runs every sequence alone and writes the losses out by hand.
 """
 
 import functools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ import layout_cases as lc
 import lora_cases
 import moe_cases as mc
 from test_layout_invariance import assert_rel_close, grad_norm, greedy_plan
+from torchtitan_rl.losses.router import RouterLossConfig
 from torchtitan_rl.models.qwen3.model import Qwen3Model
 
 RTOL = 1e-5
@@ -41,31 +44,50 @@ def balance(counts: torch.Tensor, prob_sums: torch.Tensor, num_tokens: int, laye
     return num_experts * sum((counts[l] / num_tokens * prob_sums[l] / num_tokens).sum() for l in range(num_layers))
 
 
+class Reference(NamedTuple):
+    grads: dict[str, torch.Tensor]
+    token_loss: float
+    aux: float
+    z: float
+    config: RouterLossConfig
+    imbalance: list[float]  # per MoE layer
+    counts: torch.Tensor  # [L, E] float32 top-k counts of the whole batch (the experts used)
+    agreement: torch.Tensor  # [L, 2]: zeros without replayed experts
+
+
 @functools.cache
-def reference(name: str, expert_parallel: bool = False):
+def reference(name: str, expert_parallel: bool = False) -> Reference:
     config = {mc.AUX_ONLY: mc.AUX_ONLY_CONFIG, mc.MICROBATCH: mc.MICROBATCH_CONFIG}.get(name) or mc.ROUTER_CONFIGS.get(
         name
     )
     if name == mc.LORA:
         config = mc.ROUTER_CONFIGS["global_pooled"]
+    if name == mc.REPLAY:
+        config = mc.REPLAY_CONFIG
     variant = "no_loss" if name == mc.AUX_ONLY else "uneven"
-    model = reference_model(mc.ep_model_args() if expert_parallel else None)
+    args = mc.ep_model_args() if expert_parallel else mc.model_args()
+    model = reference_model(args)
     forward, leaves = model, dict(model.named_parameters())
     if name == mc.LORA:
         forward, leaves = lora_forward(model)
+    # Replay: each sequence alone routed to its own recorded rows (a sequence without a record
+    # routes itself), so the worker's packing, CP / TP splits and EP dispatch are not involved.
+    batch = mc.replay_batch(args) if name == mc.REPLAY else lc.global_batch(variant)
     ce, masks, stats = [], [], []
-    for s in lc.global_batch(variant):
+    for s in batch:
         n = len(s)
-        hidden, router = forward(s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long))
+        hidden, router = forward(
+            s.input_ids, torch.arange(n), torch.zeros(n, dtype=torch.long), routed_experts=s.routed_experts
+        )
         ce.append(F.cross_entropy(model.output(hidden), s.labels, reduction="none"))
         masks.append(s.loss_mask.float())
         stats.append(router)
     num_loss = sum(m.sum() for m in masks)
     token_loss = sum((c * m).sum() for c, m in zip(ce, masks)) / num_loss.clamp(min=1)
-    num_tokens = sum(len(s) for s in lc.global_batch(variant))
+    num_tokens = sum(len(s) for s in batch)
     counts = [st.counts[:, 0] for st in stats]  # [L, E] of each sequence (alone: one sequence)
     probs = [st.prob_sums[:, 0] for st in stats]
-    lengths = [len(s) for s in lc.global_batch(variant)]
+    lengths = [len(s) for s in batch]
     if config.aux_loss_scope == "global":
         aux = balance(sum(counts), sum(probs), num_tokens, config.aux_loss_layers)
     elif config.aux_loss_scope == "microbatch":
@@ -77,16 +99,25 @@ def reference(name: str, expert_parallel: bool = False):
             for g in groups
         ) / len(groups)
     else:
-        aux = sum(
-            balance(c, p, len(s), config.aux_loss_layers) for c, p, s in zip(counts, probs, lc.global_batch(variant))
-        ) / len(stats)
+        aux = sum(balance(c, p, len(s), config.aux_loss_layers) for c, p, s in zip(counts, probs, batch)) / len(stats)
     z = sum(st.z_sums.sum() for st in stats) / num_tokens
     loss = token_loss + config.aux_loss_coef * aux + config.z_loss_coef * z
     grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
     # The busiest expert over the mean expert, per MoE layer, of the whole batch's top-k counts.
-    total = sum(counts).double()
-    imbalance = (total.max(-1).values / total.mean(-1)).tolist()
-    return grads, float(token_loss.detach()), float(aux.detach()), float(z.detach()), config, imbalance
+    total = sum(counts)  # float32, like the counts the metrics logger divides
+    imbalance = (total.double().max(-1).values / total.double().mean(-1)).tolist()
+    # (recorded choices the layer's own top-k also made, recorded choices) [L, 2] of the batch.
+    agreement = sum(st.agreement for st in stats)
+    return Reference(
+        grads,
+        float(token_loss.detach()),
+        float(aux.detach()),
+        float(z.detach()),
+        config,
+        imbalance,
+        total,
+        agreement,
+    )
 
 
 def lora_forward(model):
@@ -105,7 +136,7 @@ def lora_forward(model):
         leaves[b] = lora_cases.adapter_values(b, (out_features, settings.rank)).requires_grad_()
         base = model.get_submodule(module).weight
         weights[f"{module}.weight"] = base + settings.alpha / settings.rank * leaves[b] @ leaves[a]
-    return (lambda *args: functional_call(model, weights, args)), leaves
+    return (lambda *args, **kwargs: functional_call(model, weights, args, kwargs)), leaves
 
 
 def moe_entries(results, expert_parallel: bool = False):
@@ -119,7 +150,9 @@ def moe_entries(results, expert_parallel: bool = False):
 
 def test_every_moe_layout_and_case_was_run(layout_results):
     expected = {
-        mc.case_key(layout, name) for layout in mc.MOE_LAYOUTS for name in [*mc.moe_cases(layout), mc.AUX_ONLY, mc.LORA]
+        mc.case_key(layout, name)
+        for layout in mc.MOE_LAYOUTS
+        for name in [*mc.moe_cases(layout), mc.AUX_ONLY, mc.LORA, mc.REPLAY]
     }
     expected |= {mc.case_key(layout, mc.MICROBATCH) for layout in mc.MOE_LAYOUTS if layout[0] * layout[1] == 1}
     assert set(moe_entries(layout_results)) == expected
@@ -129,6 +162,7 @@ def test_every_moe_layout_and_case_was_run(layout_results):
         for ep in degrees
         for name in mc.ep_cases(layout)
     }
+    expected_ep.add(mc.case_key(mc.EP_REPLAY[0], mc.REPLAY, mc.EP_REPLAY[1]))
     assert set(moe_entries(layout_results, expert_parallel=True)) == expected_ep
 
 
@@ -141,7 +175,7 @@ LORA_GRAD_RTOL = 5e-5
 def test_router_losses_and_gradients_equal_the_one_process_reference(layout_results):
     for key, entry in moe_entries(layout_results).items():
         name = key.split("/")[-1]
-        grads, token_loss, aux, z, config, imbalance = reference(name)
+        grads, token_loss, aux, z, config, imbalance, _, agreement = reference(name)
         for fqn, g in grads.items():
             rtol = LORA_GRAD_RTOL if name == mc.LORA else RTOL
             assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}", rtol)
@@ -155,6 +189,50 @@ def test_router_losses_and_gradients_equal_the_one_process_reference(layout_resu
             assert "moe/z_loss" not in logged
         for layer, value in zip(mc.model_args().moe_layers, imbalance, strict=True):
             assert logged[f"moe/load_imbalance/layer_{layer}"] == pytest.approx(value, rel=1e-6), (key, layer)
+        assert_routing_agreement(logged, agreement, name == mc.REPLAY, mc.model_args().moe_layers, key)
+
+
+def assert_routing_agreement(logged: dict, agreement: torch.Tensor, replay: bool, moe_layers, key: str) -> None:
+    """moe/routing_agreement (and per layer) is the reference's matched / compared choices,
+    logged only with replay on. Ratios of integer counts: equal up to the division's rounding."""
+    tags = {tag for tag in logged if tag.startswith("moe/routing_agreement")}
+    if not replay:
+        assert not tags, key
+        return
+    assert tags == {"moe/routing_agreement", *(f"moe/routing_agreement/layer_{layer}" for layer in moe_layers)}, key
+    matched, compared = agreement.double().unbind(-1)
+    assert logged["moe/routing_agreement"] == pytest.approx(float(matched.sum() / compared.sum()), rel=1e-12), key
+    for layer, m, c in zip(moe_layers, matched, compared, strict=True):
+        assert logged[f"moe/routing_agreement/layer_{layer}"] == pytest.approx(float(m / c), rel=1e-12), (key, layer)
+
+
+def test_routing_replay_case_routes_differently_from_the_router():
+    """The replay case's premises: the batch records some rows of some samples (one sample
+    without a record, one with -1 rows only), the recorded experts disagree with the router's
+    own choice on a good share of them (agreement strictly between 0 and 1 in every layer), so
+    the reference's gradient differs from the same losses without replay by far more than the
+    tolerance: a layout that ignored the record would fail the comparison above."""
+    args = mc.model_args()
+    batch = mc.replay_batch(args)
+    assert batch[mc.REPLAY_NONE].routed_experts is None
+    # It shares a micro-batch with recorded sample 0 (on every layout, rank 0 holds both), so
+    # packing fills its rows with -1.
+    assert [0, mc.REPLAY_NONE] in greedy_plan([len(s) for s in batch], mc.BUDGET)
+    assert (batch[mc.REPLAY_EMPTY].routed_experts == -1).all()
+    rows = torch.cat([s.routed_experts for s in batch if s.routed_experts is not None]).flatten(0, 1)
+    recorded = (rows >= 0).all(-1)
+    assert 0 < recorded.float().mean() < 1
+    assert ((rows >= 0).all(-1) | (rows == -1).all(-1)).all()  # a row is a record or all -1
+    replayed, own = reference(mc.REPLAY), reference("global_pooled")
+    matched, compared = replayed.agreement.unbind(-1)
+    assert (compared == args.num_experts_per_tok * recorded.view(-1, len(args.moe_layers)).sum(0)).all()
+    assert ((0 < matched) & (matched < 0.8 * compared)).all(), replayed.agreement
+    assert own.agreement.sum() == 0
+    for part in ("router", "experts"):
+        diff = sum((replayed.grads[f] - own.grads[f]).norm() ** 2 for f in own.grads if f".{part}." in f) ** 0.5
+        scale = sum(own.grads[f].norm() ** 2 for f in own.grads if f".{part}." in f) ** 0.5
+        assert diff > 100 * RTOL * scale, (part, float(diff / scale))
+    assert (replayed.counts != own.counts).any()  # the statistics count the experts used
 
 
 def test_aux_only_gradient_norm_does_not_scale_with_cp_or_tp(layout_results):
@@ -208,7 +286,7 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
     assert entries
     for key, entry in entries.items():
         name = key.split("/")[-1]
-        grads, token_loss, aux, z, _, imbalance = reference(name, expert_parallel=True)
+        grads, token_loss, aux, z, _, imbalance, counts, agreement = reference(name, expert_parallel=True)
         assert set(entry["grads"]) == set(grads), key
         for fqn, g in grads.items():
             assert_rel_close(entry["grads"][fqn], g, f"{key} grad {fqn}", rtol=EP_RTOL)
@@ -220,7 +298,7 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
         for fqn, p in stepped_reference(name).items():
             torch.testing.assert_close(entry["params"][fqn], p, rtol=EP_RTOL, atol=1e-6, msg=f"{key} {fqn}")
         ep = int(key.split("/")[1].split("_ep")[1])
-        per_rank = reference_counts().unflatten(-1, (ep, -1)).sum(-1)  # [L, ep]: by hand, not tokens_per_rank
+        per_rank = counts.unflatten(-1, (ep, -1)).sum(-1)  # [L, ep]: by hand, not tokens_per_rank
         expected = (per_rank.max(-1).values / per_rank.mean(-1)).tolist()
         for layer, value in zip(mc.ep_model_args().moe_layers, expected):
             tag = f"moe/rank_imbalance/layer_{layer}"
@@ -230,18 +308,10 @@ def test_expert_parallel_gradients_losses_and_step_equal_the_one_process_referen
                 assert logged[tag] == pytest.approx(value, rel=1e-12), (key, tag)
         for layer, value in zip(mc.ep_model_args().moe_layers, imbalance, strict=True):
             assert logged[f"moe/load_imbalance/layer_{layer}"] == pytest.approx(value, rel=1e-6), (key, layer)
-
-
-@functools.cache
-def reference_counts() -> torch.Tensor:
-    """Top-k assignments per MoE layer and expert ``[L, E]`` of the whole batch, every
-    sequence run alone on the EP cases' model."""
-    model = reference_model(mc.ep_model_args())
-    with torch.no_grad():
-        return sum(
-            model(s.input_ids, torch.arange(len(s)), torch.zeros(len(s), dtype=torch.long))[1].counts[:, 0]
-            for s in lc.global_batch("uneven")
-        )
+        assert_routing_agreement(logged, agreement, name == mc.REPLAY, mc.ep_model_args().moe_layers, key)
+    replay = mc.case_key(mc.EP_REPLAY[0], mc.REPLAY, mc.EP_REPLAY[1])
+    matched, compared = reference(mc.REPLAY, expert_parallel=True).agreement.sum(0)
+    assert replay in entries and 0 < matched < compared  # replay changed routing under EP too
 
 
 def test_expert_parallel_data_covers_the_dispatch_edge_cases(layout_results):

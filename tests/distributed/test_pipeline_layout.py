@@ -167,15 +167,21 @@ def moe_reference(name: str) -> dict:
     """One process's gradients and logged values of a router-loss case of pipeline_cases."""
     model = _built(pc.moe_model_args())
     moe_cases.set_router_weights(model)
-    return _one_process_case(model, pc.moe_options(moe_cases.ROUTER_CONFIGS[name]), lc.global_batch("uneven"), False)
+    return _one_process_case(model, pc.moe_options(name), pc.moe_batch(name), False)
+
+
+def _moe_cases(layout: tuple) -> tuple[str, ...]:
+    return (*pc.MOE_CASES, moe_cases.REPLAY) if layout == pc.MOE_REPLAY_LAYOUT else pc.MOE_CASES
 
 
 @pytest.mark.parametrize("world", sorted(pc.MOE_LAYOUTS))
 def test_router_losses_of_stages_equal_one_process(layout_results, world):
     """Each stage forms its share of the router losses from every layer's counts (a counting
-    pass through the pipeline first); a stage of dense layers routes nothing."""
-    for layout in (pc.layout_name(*layout) for layout in pc.MOE_LAYOUTS[world]):
-        for name in pc.MOE_CASES:
+    pass through the pipeline first); a stage of dense layers routes nothing. With routing
+    replay (one layout), each stage routes to its layer's recorded experts."""
+    for layout_tuple in pc.MOE_LAYOUTS[world]:
+        layout = pc.layout_name(*layout_tuple)
+        for name in _moe_cases(layout_tuple):
             key = f"pipeline/moe/{layout}/{name}"
             got, expected = layout_results[world][key], moe_reference(name)
             assert got["grads"].keys() == expected["grads"].keys(), key
@@ -186,9 +192,23 @@ def test_router_losses_of_stages_equal_one_process(layout_results, world):
             assert {tag.startswith("moe/rank_imbalance/") for tag in extra} <= {True}, key
             assert bool(extra) == ("_ep" in layout), key
             assert any(tag.startswith("moe/load_imbalance") for tag in expected["logged"])
+            # Replay logs the agreement of the recorded experts with each stage's own choice.
+            agreement = {tag for tag in expected["logged"] if tag.startswith("moe/routing_agreement")}
+            assert len(agreement) == (3 if name == moe_cases.REPLAY else 0), key
             for tag, value in expected["logged"].items():
                 if tag not in NOT_COMPARED:
                     assert got["logged"][tag] == pytest.approx(value, rel=RTOL, abs=1e-6), f"{key} {tag}"
+
+
+def test_the_pipeline_replay_case_changes_the_routing():
+    """The one-process reference of the replay case differs from the same losses without replay
+    (so a stage that ignored the record would fail above), and agreement is strictly in (0, 1)."""
+    replayed, own = moe_reference(moe_cases.REPLAY), moe_reference("global_pooled")
+    agreement = replayed["logged"]["moe/routing_agreement"]
+    assert 0 < agreement < 1
+    routers = [fqn for fqn in own["grads"] if "router" in fqn]
+    diff = sum((replayed["grads"][f] - own["grads"][f]).norm() ** 2 for f in routers) ** 0.5
+    assert diff > 100 * RTOL * sum(own["grads"][f].norm() ** 2 for f in routers) ** 0.5
 
 
 @functools.cache
@@ -244,5 +264,5 @@ def test_every_pipeline_layout_and_case_was_run(layout_results):
             name = pc.layout_name(*layout)
             expected |= {f"pipeline/vlm/{name}/{mode}" + ("/step" if step else "") for mode, step in pc.VLM_CASES}
         for layout in pc.MOE_LAYOUTS.get(world, ()):
-            expected |= {f"pipeline/moe/{pc.layout_name(*layout)}/{name}" for name in pc.MOE_CASES}
+            expected |= {f"pipeline/moe/{pc.layout_name(*layout)}/{name}" for name in _moe_cases(layout)}
         assert keys == expected, world

@@ -139,6 +139,20 @@ def test_moe_settings():
         ),
         (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_scope", "batch"], ["moe.aux_loss_scope", "'global'"]),
         (["--model.flavor", "debugmodel_moe", "--moe.aux_loss_coef", "-1"], ["moe.aux_loss_coef"]),
+        (
+            ["--model.flavor", "debugmodel_moe", "--moe.router_replay", "rollout"],
+            ["moe.router_replay = 'rollout'", "job.recipe = 'sft' samples nothing"],
+        ),
+        (
+            ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--model.flavor", "debugmodel_moe"]
+            + ["--moe.router_replay_prompt", "true"],
+            ["moe.router_replay_prompt", "'off'"],
+        ),
+        (
+            ["--job.recipe", "grpo", "--loss.loss_fn", "ppo", "--moe.router_replay", "rollout"],
+            ["moe.router_replay", "has no experts"],
+        ),
+        (["--model.flavor", "debugmodel_moe", "--moe.router_replay", "on"], ["moe.router_replay", "'rollout'"]),
     ],
 )
 def test_moe_settings_fail_closed(argv, fragments):

@@ -97,7 +97,7 @@ def test_shard_microbatch_moves_every_field_with_one_index(cp, tp):
     mb = pack(samples, inputs=OPTIONAL_INPUTS)
     layout = microbatch_layout(mb, cp, tp)
     shards = [shard_microbatch(mb, cp, r, tp) for r in range(cp)]
-    assert set(mb.token_fields()) == set(TOKEN_FIELDS) - {"vision_index", "seq_log_ratio"}
+    assert set(mb.token_fields()) == set(TOKEN_FIELDS) - {"vision_index", "seq_log_ratio", "routed_experts"}
     for name in (*mb.token_fields(), "positions", "seq_ids"):
         restored = layout.gather([getattr(s, name) for s in shards])
         assert torch.equal(restored, getattr(mb, name)), name

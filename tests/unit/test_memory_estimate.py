@@ -222,3 +222,29 @@ def test_the_readme_sizing_table_is_the_estimators_output(flavor, recipe):
     line = sizing_table.row(flavor, recipe, seq_len, budget)
     assert "none fits" not in line
     assert line in (REPO / "README.md").read_text(), "README.md is stale: run python scripts/sizing_table.py"
+
+
+def test_routing_replay_adds_each_tokens_recorded_experts_to_the_rollouts():
+    def rollouts(*argv: str) -> int:
+        config = ConfigManager().parse_args(
+            [
+                "--job.config_file",
+                str(REPO / "train_configs/debug_grpo.toml"),
+                "--model.flavor",
+                "debugmodel_moe",
+                *argv,
+            ]
+        )
+        (estimate,) = estimate_memory(
+            config, qwen3_flavors["debugmodel_moe"], ParallelDims.from_config(config.parallelism, 2)
+        )
+        return next(item.bytes for item in estimate.items if item.name == "rollouts")
+
+    args = qwen3_flavors["debugmodel_moe"]
+    config = ConfigManager().parse_args(["--job.config_file", str(REPO / "train_configs/debug_grpo.toml")])
+    # This rank's rollout tokens: its share of the step's samples, seq_len each.
+    tokens = (
+        config.rl.prompts_per_step * config.rl.group_size // 2 * config.rl.num_minibatches * config.training.seq_len
+    )
+    extra = rollouts("--moe.router_replay", "rollout") - rollouts()
+    assert extra == tokens * len(args.moe_layers) * args.num_experts_per_tok * 2  # int16 ids

@@ -224,7 +224,7 @@ def moe_pair(impl_a: str, impl_b: str, dtype=torch.float32):
 
 def run_moe(moe: MoE, x: torch.Tensor, seq_ids: torch.Tensor, mask: torch.Tensor):
     x = x.clone().requires_grad_()
-    out, counts, prob_sums, z_sums = moe(x, seq_ids, mask, int(seq_ids.max()) + 1)
+    out, counts, prob_sums, z_sums, _, _ = moe(x, seq_ids, mask, int(seq_ids.max()) + 1)
     (out.square().sum() + prob_sums.square().sum() + z_sums.sum()).backward()
     return [out, counts, prob_sums, z_sums, x.grad] + [p.grad for p in moe.parameters()]
 
@@ -242,7 +242,7 @@ def test_loop_runs_float64_and_grouped_mm_refuses_it():
     auto, _ = moe_pair("auto", "loop", torch.float64)
     assert auto.experts.resolve_impl(torch.float64) == "loop"
     x = torch.randn(7, 16, dtype=torch.float64)
-    out, counts, prob_sums, z_sums = auto(x, torch.zeros(7, dtype=torch.long), torch.ones(7, dtype=torch.bool), 1)
+    out, counts, prob_sums, z_sums, _, _ = auto(x, torch.zeros(7, dtype=torch.long), torch.ones(7, dtype=torch.bool), 1)
     assert out.dtype == torch.float64 and counts.dtype == prob_sums.dtype == z_sums.dtype == torch.float32
     # The loop's backward is checked against finite differences (fp64).
     experts = GroupedExperts(3, 4, 6, impl="loop").double()
@@ -355,7 +355,7 @@ def test_masked_tokens_are_computed_but_their_sequence_id_is_irrelevant():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch.testing.assert_close(other_out, out, rtol=0, atol=0)
     assert out[6:].abs().sum() > 0  # padding still goes through its experts
-    _, alone_counts, alone_probs, _ = moe(x[:6], seq_ids[:6], mask[:6], 3)
+    _, alone_counts, alone_probs, *_ = moe(x[:6], seq_ids[:6], mask[:6], 3)
     torch.testing.assert_close(alone_counts, stats[0], rtol=0, atol=0)
     torch.testing.assert_close(alone_probs, stats[1], rtol=1e-6, atol=1e-7)
 

@@ -9,6 +9,7 @@ import math
 import os
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,7 @@ from torchtitan_rl.rl.rollout_dump import (
     RolloutLog,
     batch_records,
     decode_rollout,
+    read_routing,
     sample_batch,
     table_rows,
 )
@@ -132,9 +134,11 @@ def test_table_rows_take_one_record_from_each_equal_part(num_records, num_rows):
         assert num_records * i / num_rows <= record < num_records * (i + 1) / num_rows
 
 
-def rollout_log(tmp_path, *, dump=True, log_samples=2, writer=None) -> RolloutLog:
+def rollout_log(tmp_path, *, dump=True, log_samples=2, writer=None, dump_routing=True) -> RolloutLog:
     config = types.SimpleNamespace(
-        rl=types.SimpleNamespace(dump_rollouts=dump, log_samples=log_samples, print_samples=True),
+        rl=types.SimpleNamespace(
+            dump_rollouts=dump, log_samples=log_samples, print_samples=True, dump_routing=dump_routing
+        ),
         metrics=types.SimpleNamespace(log_freq=1),
         job=types.SimpleNamespace(dump_folder=str(tmp_path)),
     )
@@ -165,6 +169,51 @@ def test_the_log_writes_every_step_whole_and_k_rows_to_tensorboard(tmp_path, cap
     # A header, its rule, then the rows of records 0 and 2 (one from each half).
     assert len(table) == 2 + 2 and table[2].startswith("| 1 | 0 |") and table[3].startswith("| 5 | 0 |")
     assert "rollouts/samples at step 2" in caplog.text  # rl.print_samples, every step at log_freq 1
+
+
+@pytest.mark.parametrize("num_experts, dtype", [(8, np.uint8), (300, np.int16)])
+def test_the_dump_keeps_each_samples_recorded_experts(tmp_path, num_experts, dtype):
+    """Routing replay: a record's rows of the step's routing file are its sample's
+    ``routed_experts`` from the first recorded position on (-1 before it), one byte per id where
+    they fit; a sample without routing has none; a resumed run drops later steps' files."""
+    group = single_turn_group()
+    rng = np.random.default_rng(num_experts)
+    # The first rollout's completion positions (prompt's last on), the second's every input.
+    for rollout, num_recorded in zip(group.rollouts, (3, 4)):
+        rollout.routing = rng.integers(0, num_experts, (num_recorded, 3, 2)).astype(np.int16)
+    unrecorded = dataclasses.replace(group, slot=1, rollouts=[dataclasses.replace(r) for r in group.rollouts])
+    for rollout in unrecorded.rollouts:
+        rollout.routing = None
+    log = rollout_log(tmp_path)
+    for step in (1, 2):
+        samples = to_samples([group, unrecorded], 16)
+        log.log_step(step, samples[::-1])
+    log.close()
+    folder = str(tmp_path / "rollouts")
+    records = rollout_files.read_step(folder, 2)
+    assert [(r["group"], r["sample"]) for r in records] == [(1, 0), (1, 1), (5, 0), (5, 1)]
+    # Records in (group, sample) order: the unrecorded group (slot 1) first.
+    for record, sample, rollout in zip(records, samples[2:] + samples[:2], unrecorded.rollouts + group.rollouts):
+        got = read_routing(folder, 2, record)
+        if rollout.routing is None:
+            assert record["routed_experts"] is None and got is None and sample.routed_experts is None
+            continue
+        first = record["routed_experts"]["first"]
+        assert first == len(sample) - len(rollout.routing) and record["routed_experts"]["num"] == len(rollout.routing)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, rollout.routing)
+        assert torch.equal(torch.from_numpy(got.astype(np.int16)), sample.routed_experts[first:])
+        assert bool((sample.routed_experts[:first] == -1).all())
+    assert np.load(tmp_path / "rollouts" / "step-2.routing.npy").shape == (7, 3, 2)  # the recorded rows only
+    rollout_log(tmp_path).start(last_step=1)
+    assert sorted(os.listdir(folder)) == ["step-1.jsonl.gz", "step-1.routing.npy"]
+    # rl.dump_routing = false: the same records, no routing in them or beside them.
+    log = rollout_log(tmp_path / "without", dump_routing=False)
+    log.log_step(1, to_samples([group, unrecorded], 16))
+    log.close()
+    assert os.listdir(tmp_path / "without" / "rollouts") == ["step-1.jsonl.gz"]
+    without = rollout_files.read_step(str(tmp_path / "without" / "rollouts"), 1)
+    assert [r["routed_experts"] for r in without] == [None] * 4
 
 
 def test_starting_removes_the_files_of_later_steps_and_partial_ones(tmp_path):

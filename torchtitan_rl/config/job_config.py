@@ -444,6 +444,19 @@ class MoE:
     """Expert kernel: grouped_mm (torch._grouped_mm, fp32/bf16), loop (one matmul per expert;
     any dtype), auto (grouped_mm where it supports the dtype)."""
 
+    router_replay: Literal["off", "record", "rollout"] = "off"
+    """RL (grpo): routing replay from the sampler to the trainer. rollout: the generator records
+    each token's top-k experts in every MoE layer, and the trainer's passes over the rollouts
+    (proximal log-probs and the update) route those tokens to the recorded experts instead of
+    their own top-k; the weights of the recorded experts still come from the trainer's router,
+    so it keeps its gradient (docs/moe.md, 'Routing replay'). record: record and report
+    moe/routing_agreement without replaying. off: neither."""
+
+    router_replay_prompt: bool = False
+    """With router_replay: also record and replay the routing of the prompt tokens (by default
+    only the positions from the last prompt token on, each of which samples a token or reads an
+    observation, are recorded). Costs L * k bytes per prompt token and rollout."""
+
 
 @dataclass
 class LoRA:
@@ -667,6 +680,12 @@ class RL:
     reward and its components, advantage, policy version, log-prob means; fields in docs/rl.md).
     Gathered to rank 0 and written by a background thread; roughly the completions' text
     gzip-compressed per step. Read them with scripts/show_rollouts.py."""
+
+    dump_routing: bool = True
+    """With rl.dump_rollouts and moe.router_replay: also write each rollout's recorded experts to
+    rollouts/step-<N>.routing.npy (docs/rl.md). They weigh (MoE layers x top_k) bytes per recorded
+    token, e.g. 384 for 30B-A3B, all gathered to rank 0: turn this off for large MoE runs that do
+    not need them."""
 
     log_samples: int = bounded(4, ge=0)
     """Rollouts per step (and evaluation prompts per evaluation) shown as a TensorBoard text

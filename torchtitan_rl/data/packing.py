@@ -81,6 +81,10 @@ class MicroBatch:
     image_patches: torch.Tensor | None = None
     image_grids: tuple[tuple[int, int], ...] = ()
     num_images: int = 0  # real images (the dummy is not counted)
+    # MoE routing replay: per token the experts the sampler chose in each MoE layer ``[T, L, k]``
+    # (int16, -1 where a token routes itself: other samples' tokens, padding); None when no
+    # sample of the micro-batch carries them.
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -132,10 +136,11 @@ TOKEN_FIELDS = (
     "group_ids",
     "vision_index",
     "seq_log_ratio",
+    "routed_experts",
 )
 _ALWAYS = TOKEN_FIELDS[:4]
 # The value padding tokens carry, where it is not 0.
-TOKEN_PAD_VALUES = {"vision_index": -1}
+TOKEN_PAD_VALUES = {"vision_index": -1, "routed_experts": -1}
 # The optional sample inputs a loss may ask ``pack`` to carry.
 OPTIONAL_INPUTS = (*RL_TOKEN_INPUTS, "group_id")
 
@@ -159,8 +164,13 @@ def pack(
     columns = {name: [_token_values(s, name) for s in samples] for name in _sample_fields(inputs)}
     if vision is not None:
         columns["vision_index"], images = _vision_rows_and_images(samples, vision)
+    if any(s.routed_experts is not None for s in samples):
+        columns["routed_experts"] = _routed_experts(samples)
     packed = {
-        name: torch.cat(parts + [torch.full((num_padding,), TOKEN_PAD_VALUES.get(name, 0), dtype=parts[0].dtype)])
+        name: torch.cat(
+            parts
+            + [torch.full((num_padding, *parts[0].shape[1:]), TOKEN_PAD_VALUES.get(name, 0), dtype=parts[0].dtype)]
+        )
         for name, parts in columns.items()
     }
     mb = MicroBatch(
@@ -185,6 +195,17 @@ def _vision_rows_and_images(
             images.append(image)
             offset += vision.num_features(image)
     return rows, images
+
+
+def _routed_experts(samples: list[Sample]) -> list[torch.Tensor]:
+    """Each sample's recorded experts ``[n, L, k]`` (int16), -1 for a sample without a record."""
+    shape = next(s.routed_experts for s in samples if s.routed_experts is not None).shape[1:]
+    return [
+        s.routed_experts.to(torch.int16)
+        if s.routed_experts is not None
+        else torch.full((len(s), *shape), -1, dtype=torch.int16)
+        for s in samples
+    ]
 
 
 def _with_images(mb: MicroBatch, images: list[SampleImage], vision: VisionPacking) -> MicroBatch:
@@ -250,7 +271,7 @@ def pad_microbatch(mb: MicroBatch, num_tokens: int) -> MicroBatch:
     return replace(
         mb,
         **{
-            name: torch.cat((v, v.new_full((extra,), TOKEN_PAD_VALUES.get(name, 0))))
+            name: torch.cat((v, v.new_full((extra, *v.shape[1:]), TOKEN_PAD_VALUES.get(name, 0))))
             for name, v in mb.token_fields().items()
         },
         positions=torch.cat((mb.positions, torch.arange(start, start + extra))),

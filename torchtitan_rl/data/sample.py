@@ -22,7 +22,7 @@ RL_TOKEN_INPUTS = (
 # Samplers in bf16 report log-probs a hair above 0 for near-certain tokens; anything larger is
 # not a log-probability (e.g. probabilities or logits passed by mistake).
 MAX_LOGPROB = math.log1p(1e-2)
-_TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", *RL_TOKEN_INPUTS, "vision_rows")
+_TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", *RL_TOKEN_INPUTS, "vision_rows", "routed_experts")
 
 
 @dataclass
@@ -94,6 +94,9 @@ class Sample:
     # replaces the token's embedding, or -1. Image placeholder tokens are never loss tokens.
     images: list[SampleImage] | None = None
     vision_rows: torch.Tensor | None = None  # [n] int64, aligned with input_ids
+    # MoE RL with routing replay: per input token and MoE layer, the top-k experts the sampler
+    # routed it to (int16, -1 where none was recorded: the trainer routes that token itself).
+    routed_experts: torch.Tensor | None = None  # [n, MoE layers, top_k], aligned with input_ids
     # RL: what the rollout dump keeps of the rollout the sample came from (its group, reward,
     # stop reason, ...: ``rl/rollout_dump.py``); no loss reads it.
     rollout_info: dict | None = None
@@ -211,5 +214,37 @@ def find_vision_problem(samples: list[Sample], patch_dim: int | None, merge_size
             return (
                 f"{where}: its images give {num_features} feature rows, each of which must replace exactly one "
                 f"image token, but vision_rows has {used.numel()} image tokens"
+            )
+    return None
+
+
+def find_routing_problem(samples: list[Sample], num_layers: int, top_k: int, num_experts: int) -> str | None:
+    """The first reason the recorded experts (``routed_experts``) of ``samples`` cannot be
+    replayed by a model with ``num_layers`` MoE layers of ``num_experts`` experts, ``top_k`` per
+    token (0 layers: a dense model), or None. A (token, layer) row is either all -1 (no record)
+    or ``top_k`` distinct expert ids."""
+    for i, sample in enumerate(samples):
+        experts = sample.routed_experts
+        if experts is None:
+            continue
+        where = f"sample {i} of this rank's {len(samples)}"
+        if num_layers == 0:
+            return f"{where} has routed_experts, but the model has no MoE layers"
+        expected = (len(sample), num_layers, top_k)
+        if experts.is_floating_point() or experts.is_complex() or tuple(experts.shape) != expected:
+            return (
+                f"{where}: routed_experts must be an integer tensor [tokens, MoE layers, top_k] = {expected}, "
+                f"got {experts.dtype} {tuple(experts.shape)}"
+            )
+        experts = experts.long()
+        unrecorded = (experts == -1).all(-1)
+        ordered = experts.sort(-1).values
+        valid = (ordered >= 0).all(-1) & (ordered < num_experts).all(-1) & (ordered.diff(dim=-1) != 0).all(-1)
+        bad = ~(unrecorded | valid)
+        if bool(bad.any()):
+            t, layer = (int(v) for v in bad.nonzero()[0])
+            return (
+                f"{where}: routed_experts[{t}, {layer}] = {experts[t, layer].tolist()}: a row is {top_k} distinct "
+                f"expert ids in [0, {num_experts}) or all -1 (not recorded)"
             )
     return None

@@ -190,8 +190,20 @@ def _generator_items(job_config: JobConfig, args, model, sizes: Sizes, b: int) -
             kv,
             f"K and V of {sizes.kv_rows} rows x {sizes.kv_slots} slots (training.seq_len) in every layer",
         ),
-        Item("rollouts", sizes.rollout_tokens * ROLLOUT_BYTES_PER_TOKEN, "the step's rollouts, per-token tensors"),
+        Item(
+            "rollouts",
+            sizes.rollout_tokens * rollout_bytes_per_token(job_config, args),
+            "the step's rollouts, per-token tensors",
+        ),
     ]
+
+
+def rollout_bytes_per_token(job_config: JobConfig, args) -> int:
+    """A rollout's bytes per token, with routing replay also each token's recorded experts
+    (int16, every MoE layer's top-k)."""
+    if not args.is_moe or job_config.moe.router_replay == "off":
+        return ROLLOUT_BYTES_PER_TOKEN
+    return ROLLOUT_BYTES_PER_TOKEN + 2 * len(args.moe_layers) * args.num_experts_per_tok
 
 
 def _training_rank(

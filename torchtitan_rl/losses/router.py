@@ -65,14 +65,18 @@ class RouterLossConfig:
 @dataclass
 class RouterMetrics:
     """A MoE model's router statistics of one ``forward_backward`` on this rank: partial
-    losses (unweighted; their sum over every rank is the mini-batch's loss) and the top-k
-    counts of this rank's tokens per MoE layer and expert (summed over every rank at log time)."""
+    losses (unweighted; their sum over every rank is the mini-batch's loss), the top-k
+    counts of this rank's tokens per MoE layer and expert and, with routing replay, the
+    agreement counts (both summed over every rank at log time)."""
 
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     counts: torch.Tensor  # [L, E]
     layer_ids: tuple[int, ...]  # the model's MoE layers, in order
     config: RouterLossConfig
+    # Routing replay (moe.router_replay not off): per MoE layer, (recorded top-k choices of this
+    # rank's tokens that the layer's own top-k also made, recorded choices compared) [L, 2].
+    agreement: torch.Tensor | None = None
 
 
 def balance_loss(

@@ -80,6 +80,14 @@ def _check_moe(cfg, model_args, source: str) -> None:
         raise ValueError(
             f"parallelism.expert_parallel_degree={ep} does not divide num_experts={model_args.num_experts}{where}"
         )
+    replay = cfg.moe.router_replay
+    if replay != "off" and cfg.job.recipe != "grpo":
+        raise ValueError(
+            f"moe.router_replay = {replay!r}: routing replay carries the experts of the GRPO recipe's sampler to its "
+            f"trainer; job.recipe = {cfg.job.recipe!r} samples nothing"
+        )
+    if cfg.moe.router_replay_prompt and replay == "off":
+        raise ValueError("moe.router_replay_prompt: records the prompt's routing for moe.router_replay, which is 'off'")
     unused = non_default_keys(cfg.moe)
     if unused and not is_moe:
         model = (

@@ -5,6 +5,12 @@ is computed (dropless, no capacity factor). Each layer also returns per-sequence
 statistics (``RouterStats``) from which router losses are computed outside the model: they are
 returned by the forward, never kept in module buffers, so they compose with activation
 checkpointing and with any split of the tokens over micro-batches and ranks.
+
+Routing replay: a layer can be given the experts a sampler chose for each token (``replayed``)
+and use them instead of its own top-k. Only the choice is replayed: the weights of the chosen
+experts are still the router's probabilities of this forward (renormalized like its own
+choice), so the router keeps its gradient, and the statistics count the experts used. The layer
+also reports how many of the recorded choices its own top-k would have made (``agreement``).
 """
 
 from dataclasses import dataclass
@@ -33,11 +39,17 @@ class RouterStats:
                router probability of expert e (all experts, not only the chosen ones).
     z_sums     [L, S] float32, differentiable: sum over sequence s's tokens of
                logsumexp(router logits)^2 (the z-loss numerator).
+    agreement  [L, 2] float32, no grad: (recorded top-k choices of real tokens that the layer's
+               own top-k also made, recorded choices compared); zeros without replayed experts.
+    experts    [L, T, k] int64: the experts each token of this rank's residual stream used, when
+               the forward was asked to record them (``record_routing``), else None.
     """
 
     counts: torch.Tensor
     prob_sums: torch.Tensor
     z_sums: torch.Tensor
+    agreement: torch.Tensor
+    experts: torch.Tensor | None = None
 
 
 class TopKRouter(nn.Module):
@@ -71,6 +83,30 @@ class TopKRouter(nn.Module):
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         return probs, top_weights.to(logits.dtype), top_experts
+
+    def replay(
+        self, probs: torch.Tensor, own_experts: torch.Tensor, replayed: torch.Tensor, router_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(top_weights [T, k] fp32, top_experts [T, k], agreement [2])`` with the ``replayed``
+        experts ``[T, k]`` (a negative row: no record, the token keeps ``own_experts``).
+
+        The weights are ``probs`` at the replayed experts, renormalized with ``norm_topk_prob``:
+        for a token whose record equals its own top-k they are exactly the values ``route``
+        gives. ``agreement``: (replayed choices of the tokens in ``router_mask`` that
+        ``own_experts`` also holds, replayed choices compared)."""
+        replayed = replayed.long()
+        recorded = replayed[:, 0] >= 0
+        experts = torch.where(recorded[:, None], replayed, own_experts)
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        with torch.no_grad():
+            compared = recorded & router_mask
+            matched = (own_experts[:, :, None] == replayed[:, None, :]).any(-1).sum(-1)
+            agreement = torch.stack(
+                [torch.where(compared, matched, 0).sum().float(), compared.sum().float() * self.top_k]
+            )
+        return weights, experts, agreement
 
 
 def grouped_mm_supported(dtype: torch.dtype, *dims: int) -> bool:
@@ -192,12 +228,22 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, dim, hidden_dim, experts_impl)
 
     def forward(
-        self, x: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor, num_seqs: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        self,
+        x: torch.Tensor,
+        seq_ids: torch.Tensor,
+        router_mask: torch.Tensor,
+        num_seqs: int,
+        replayed: torch.Tensor | None = None,
+        replay: bool = True,
+    ) -> tuple[torch.Tensor, ...]:
         """``x [T, dim]``; ``seq_ids [T]`` in ``[0, num_seqs)``; ``router_mask [T]`` bool, false on
-        padding. Returns ``(out [T, dim], counts [S, E], prob_sums [S, E], z_sums [S])`` (one
-        layer's ``RouterStats`` slice). Padding tokens are routed and computed like any other
-        (their outputs only reach zero-weight losses) but never enter the statistics."""
+        padding; ``replayed [T, k]`` (int, optional): experts to use instead of the router's
+        top-k, -1 rows where a token routes itself (``TopKRouter.replay``); with ``replay`` false
+        they are only compared with the router's choice, which the layer keeps. Returns ``(out [T, dim],
+        counts [S, E], prob_sums [S, E], z_sums [S], agreement [2], experts [T, k])``: one
+        layer's ``RouterStats`` slice and the experts each token used. Padding tokens are routed
+        and computed like any other (their outputs only reach zero-weight losses) but never
+        enter the statistics."""
         num_tokens = x.shape[0]
         if x.dim() != 2 or seq_ids.shape != (num_tokens,) or router_mask.shape != (num_tokens,):
             raise ValueError(
@@ -206,8 +252,18 @@ class MoE(nn.Module):
             )
         if router_mask.dtype != torch.bool:
             raise ValueError(f"router_mask must be bool, got {router_mask.dtype}")
+        if replayed is not None and replayed.shape != (num_tokens, self.top_k):
+            raise ValueError(
+                f"replayed experts must be [T, top_k] = {(num_tokens, self.top_k)}, got {tuple(replayed.shape)}"
+            )
         logits = self.router(x)
         probs, top_weights, top_experts = self.router.route(logits)
+        if replayed is None:
+            agreement = torch.zeros(2, device=x.device)
+        else:
+            weights, experts, agreement = self.router.replay(probs, top_experts, replayed, router_mask)
+            if replay:
+                top_weights, top_experts = weights.to(logits.dtype), experts
 
         # Dispatch: the T*k (token, expert) pairs sorted by expert; a stable sort keeps tokens
         # in order within an expert, so the combine adds in a fixed order (on CUDA, whose
@@ -222,7 +278,8 @@ class MoE(nn.Module):
         expert_out = self.experts(x[token_of_pair], tokens_per_expert)
         expert_out = expert_out * top_weights.reshape(-1)[order, None]
         out = torch.zeros_like(x).index_add(0, token_of_pair, expert_out)
-        return (out, *router_statistics(logits, probs, top_experts, seq_ids, router_mask, num_seqs))
+        stats = router_statistics(logits, probs, top_experts, seq_ids, router_mask, num_seqs)
+        return (out, *stats, agreement, top_experts)
 
 
 def router_statistics(

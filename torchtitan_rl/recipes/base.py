@@ -294,6 +294,7 @@ def build_engine(
         vision=vision_packing(model_args),
         max_patches_per_microbatch=t.max_patches_per_microbatch,
         router=router_loss_config(job_config) if model_args.is_moe else None,
+        router_replay=job_config.moe.router_replay,
         min_microbatches=(t.pipeline_microbatches or pipeline.num_stages) if pipeline else 1,
     )
     engine_kwargs = dict(

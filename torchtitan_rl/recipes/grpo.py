@@ -512,6 +512,9 @@ class GRPORecipe(Recipe):
                     continue
                 fb = self.engine.forward_backward(samples, self.loss_fn.name, self.loss_fn.options, with_logprobs)
                 updates.append(self.metrics.reduce_update(fb, self.engine.optim_step(), with_terms=False))
+                if fb.router is not None:
+                    # Averaged over the step's optimizer steps, like the loss.
+                    updates[-1].update(self.metrics.reduce_router(fb.router)[0])
                 terms.append(fb.terms)
                 num_trained += int(fb.counts[NUM_TOKENS])
                 logprobs = fb.logprobs

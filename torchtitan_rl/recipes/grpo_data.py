@@ -182,7 +182,17 @@ def build_generator(
         vision=vision,
         freeze_vision=job_config.model.freeze_vision,
         compile=generation.compile,
+        record_routing=routing_record_mode(job_config),
     )
+
+
+def routing_record_mode(job_config: JobConfig) -> str:
+    """What the generator records of a MoE policy's routing for ``moe.router_replay``: nothing,
+    the positions from the last prompt token on, or every position."""
+    moe = job_config.moe
+    if moe.router_replay == "off":
+        return "off"
+    return "all" if moe.router_replay_prompt else "completion"
 
 
 def build_reward_model(job_config: JobConfig, data: TaskData, device: torch.device) -> RewardModelScorer | None:

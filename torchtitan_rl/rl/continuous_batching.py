@@ -30,13 +30,21 @@ its last bits, and a token only when its uniform falls within that rounding of a
 
 Without a KV cache (``kv_cache=False``) every forward reruns each row's whole sequence: the
 reference the cache is tested against.
+
+When the generator records routing, each row keeps the experts of the positions it feeds, from
+the forward that feeds them (the one whose logits sample the next token): a prefill's are its
+prompt's, shared by its samples; the recomputing path keeps those of the positions new to each
+forward. They stay the host arrays each forward copied out (views, no per-token tensors) until
+a finished row's are joined (``FinishedRow.routing``).
 """
 
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import accumulate
 
+import numpy as np
 import torch
 
 from torchtitan_rl.data.vision_samples import PlannedImage, VisionDataConfig, load_images
@@ -95,6 +103,9 @@ class FinishedRow:
     logprobs: list[float]  # per token: its behaviour log-prob where sampled, else 0
     num_turns: int
     end_reason: str  # "done" (a stop token, no observation after it), "max_turns", "length"
+    # With recorded routing: [m, MoE layers, top_k], the experts of the last m positions of
+    # tokens but the last (never fed), from the first recorded one (``Rollout.routing``).
+    routing: np.ndarray | None = None
 
 
 class ContinuousBatch:
@@ -126,7 +137,9 @@ class ContinuousBatch:
         self.turn_start = [len(t) for t in self.tokens]  # where each row's running turn began
         self.num_turns = [1] * len(pairs)
         self.end_reason = [""] * len(pairs)
-        self.cached_len = [0] * len(pairs)  # tokens of each row already in its cache row
+        self.cached_len = [0] * len(pairs)  # tokens of each row already fed (in its cache row, with one)
+        # Per row: the recorded experts of the positions it fed, as parts [n, L, k] in order.
+        self.routing = None if generator.record_routing == "off" else [[] for _ in pairs]
         self.running: list[int] = []  # cache row i holds row running[i]
         self.queue = deque(range(len(batch.prompts)))
         self.stop_ids = set(params.stop_token_ids)
@@ -158,7 +171,14 @@ class ContinuousBatch:
             if self.queue and self.capacity - len(self.running) >= self.batch.num_samples:
                 logits = torch.cat((logits, self._admit()))
         return [
-            FinishedRow(self.tokens[r], self.sampled[r], self.logprobs[r], self.num_turns[r], self.end_reason[r])
+            FinishedRow(
+                self.tokens[r],
+                self.sampled[r],
+                self.logprobs[r],
+                self.num_turns[r],
+                self.end_reason[r],
+                None if self.routing is None else np.concatenate(self.routing[r]),
+            )
             for r in range(len(self.pairs))
         ]
 
@@ -207,20 +227,28 @@ class ContinuousBatch:
         rows = self.running
         if not rows:
             return torch.empty(0, self.gen.args.vocab_size, device=self.gen.device)
-        if self.cache is None:
-            return self._recomputed_logits(rows)
-        if (reach := max(self._reach(r) for r in rows)) > self.cache.num_slots:
-            self.cache = self.gen.new_cache(self.capacity, reach, self.cache, len(rows))
-        new = [self.tokens[r][self.cached_len[r] :] for r in rows]
-        positions = [self.cached_len[r] for r in rows]
+        positions = [self.cached_len[r] for r in rows]  # of each row's first new token
         for r in rows:
             self.cached_len[r] = len(self.tokens[r])
-        if all(len(part) == 1 for part in new):
-            return self.gen.decode([part[0] for part in new], positions, self.cache)
-        attention = ExtendAttention.build(self.cache, list(range(len(rows))), positions, [len(n) for n in new])
-        ids = torch.tensor([t for part in new for t in part], device=self.gen.device)
-        last = torch.tensor([len(part) for part in new], device=self.gen.device).cumsum(0) - 1
-        return self.gen.logits(ids, attention.positions, attention.rows, attention, last)
+        new = [self.tokens[r][start:] for r, start in zip(rows, positions)]
+        if self.cache is None:
+            logits, experts = self._recomputed_logits(rows, positions)
+        else:
+            if (reach := max(self._reach(r) for r in rows)) > self.cache.num_slots:
+                self.cache = self.gen.new_cache(self.capacity, reach, self.cache, len(rows))
+            if all(len(part) == 1 for part in new):
+                logits, experts = self.gen.decode([part[0] for part in new], positions, self.cache)
+            else:
+                attention = ExtendAttention.build(self.cache, list(range(len(rows))), positions, [len(n) for n in new])
+                ids = torch.tensor([t for part in new for t in part], device=self.gen.device)
+                last = torch.tensor([len(part) for part in new], device=self.gen.device).cumsum(0) - 1
+                logits, experts = self.gen.logits_and_routing(
+                    ids, attention.positions, attention.rows, attention, last, keep=slice(None)
+                )
+        if experts is not None:
+            for r, part in zip(rows, np.split(experts, np.cumsum([len(part) for part in new])[:-1])):
+                self.routing[r].append(part)
+        return logits
 
     def _admit(self) -> torch.Tensor:
         """Admit the queued prompts whose samples fit in the free rows, in order: prefill them
@@ -232,22 +260,41 @@ class ContinuousBatch:
             admitted.append(self.queue.popleft())
         rows = [p * samples + s for p in admitted for s in range(samples)]
         if self.cache is None:
-            logits = self._recomputed_logits([p * samples for p in admitted]).repeat_interleave(samples, dim=0)
+            firsts = [self._first_recorded(p) for p in admitted]
+            logits, experts = self._recomputed_logits([p * samples for p in admitted], firsts)
+            logits = logits.repeat_interleave(samples, dim=0)
         else:
             if (reach := max(self._reach(r) for r in rows)) > self.cache.num_slots:
                 self.cache = self.gen.new_cache(self.capacity, reach, self.cache, len(self.running))
-            logits = self.gen.prefill(self.batch, self.cache, admitted, len(self.running))
+            logits, experts = self.gen.prefill(self.batch, self.cache, admitted, len(self.running))
             self.batch.drop_images(admitted)
+        if experts is not None:
+            counts = [len(self.batch.prompts[p]) - self._first_recorded(p) for p in admitted]
+            for p, part in zip(admitted, np.split(experts, np.cumsum(counts)[:-1])):
+                for s in range(samples):
+                    self.routing[p * samples + s].append(part)  # one prefill for all the prompt's samples
         for r in rows:
             self.cached_len[r] = len(self.tokens[r])
         self.running += rows
         self.gen.add_phase_seconds("prefill", time.perf_counter() - start)
         return logits
 
-    def _recomputed_logits(self, rows: list[int]) -> torch.Tensor:
-        """Last-position logits of ``rows``' whole sequences, rerun through the packed model."""
+    def _first_recorded(self, prompt: int) -> int:
+        """The first position of ``prompt``'s rows whose routing is recorded: 0, or with
+        ``"completion"`` the prompt's last (the first to sample a token)."""
+        return 0 if self.gen.record_routing == "all" else len(self.batch.prompts[prompt]) - 1
+
+    def _recomputed_logits(self, rows: list[int], recorded: list[int]) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Last-position logits of ``rows``' whole sequences, rerun through the packed model, and
+        when recording routing the experts of row i's positions from ``recorded[i]`` on, row after row."""
         sequences = [torch.tensor(self.tokens[r], device=self.gen.device) for r in rows]
         ids, positions, seq_ids, last = pack_sequences(sequences)
         prompt_of = [r // self.batch.num_samples for r in rows]
         vision = self.gen.vision_inputs(self.batch, [s.numel() for s in sequences], prompt_of)
-        return self.gen.logits(ids, positions, seq_ids, rows=last, vision=vision)
+        keep = None
+        if self.routing is not None:
+            lengths = [s.numel() for s in sequences]
+            offsets = accumulate(lengths, initial=0)  # of each sequence in the packed tokens
+            where = [o + j for o, n, start in zip(offsets, lengths, recorded) for j in range(start, n)]
+            keep = torch.tensor(where, device=self.gen.device)
+        return self.gen.logits_and_routing(ids, positions, seq_ids, rows=last, vision=vision, keep=keep)

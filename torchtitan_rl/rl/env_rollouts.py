@@ -128,6 +128,7 @@ class EpisodeRunner:
                     episode.logprobs[n:],
                     "length" if episode.end_reason == "length" else "stop",
                     episode.version,
+                    routing=episode.routing,
                     loss_mask=mask,
                     num_turns=episode.num_turns,
                     end_reason=episode.end_reason,

@@ -17,9 +17,14 @@ every running row's whole episode at every token: the reference the cache is tes
 Randomness: row (prompt index p, sample s) draws one uniform per sampled token, in order, from
 its own generator seeded like a single-turn rollout's (``rollout_seed``), so an episode depends
 only on (weights, prompt, the environment's answers, params, seed, step, p, s).
+
+A generator that records routing records an episode's like a rollout's (``Rollout.routing``):
+observation tokens are fed positions too, so their experts are recorded with the sampled ones'.
 """
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from torchtitan_rl.rl.continuous_batching import ContinuousBatch, PromptBatch, Respond
 from torchtitan_rl.rl.generator import SamplingParams, TorchGenerator
@@ -35,6 +40,7 @@ class EpisodeTokens:
     num_turns: int
     end_reason: str  # "done" (respond ended it), "max_turns", "length" (budget or max_new_tokens)
     version: int
+    routing: np.ndarray | None = None  # the experts of the last positions of tokens[:-1] (Rollout.routing)
 
 
 def generate_episodes(
@@ -69,6 +75,8 @@ def generate_episodes(
     pairs = [(p, s) for p in prompt_indices for s in range(num_samples)]
     rows = ContinuousBatch(generator, batch, pairs, params, seed, step, respond, max_turns, max_len).run()
     return [
-        EpisodeTokens(p, s, row.tokens, row.sampled, row.logprobs, row.num_turns, row.end_reason, generator.version)
+        EpisodeTokens(
+            p, s, row.tokens, row.sampled, row.logprobs, row.num_turns, row.end_reason, generator.version, row.routing
+        )
         for (p, s), row in zip(pairs, rows)
     ]

@@ -35,6 +35,12 @@ them. Prefill and observation feeds stay eager (their shapes vary).
 ``kv_cache=False`` reruns the whole packed model on every row's sequence so far at every step:
 the reference the cache is tested against.
 
+``record_routing`` (a MoE model): every forward also returns the top-k experts each token used
+in each MoE layer, and each rollout keeps those of the positions it fed (``Rollout.routing``):
+a sampled token's routing is the one that produced the logits it was sampled from, which the
+trainer can replay (docs/moe.md). Each forward's experts of its fed positions cross to the host
+in one copy, compacted to ``routing_dtype``; a prefill's are its prompts', shared by their samples.
+
 Randomness (``rl/sampling.py``): row (prompt index p, sample index s) draws one uniform per step
 from its own stream seeded with ``rollout_seed(seed, step, p, s)``. A rollout therefore depends
 only on (weights, prompt, params, seed, step, p, s), not on the batch it is generated in, the
@@ -47,6 +53,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from torchtitan_rl.data.vision_samples import VisionDataConfig, image_vision_rows
@@ -71,6 +78,10 @@ class Rollout:
     stop_reason: str  # "stop" (a stop token was generated) or "length" (max_new_tokens)
     version: int = 0  # the version of the weights that generated it (the RL step they are from)
     images: PromptImages = ()  # the prompt's images: its training sample carries them too
+    # With record_routing: [m, MoE layers, top_k] experts (routing_dtype) of the last m input
+    # positions of prompt_tokens + completion_tokens (the last token is never fed, so it has none):
+    # aligned with the training sample's input_ids[-m:]. None without recording.
+    routing: np.ndarray | None = None
 
 
 class RolloutEngine(Protocol):
@@ -129,6 +140,10 @@ class TorchGenerator:
     ``vision``: how a vision-language model's prompt images are decoded and cut into patches
     (the loader's settings); ``freeze_vision``: the trained model's vision tower is frozen, so
     syncs after the first leave the replica's tower as it is.
+
+    ``record_routing`` (a MoE model only): ``"completion"`` records the experts of every position
+    from the last prompt token on (each samples a token or reads an observation), ``"all"`` of
+    every position, prompt included; ``"off"`` records nothing.
     """
 
     def __init__(
@@ -142,9 +157,14 @@ class TorchGenerator:
         vision: VisionDataConfig | None = None,
         freeze_vision: bool = False,
         compile: bool = False,
+        record_routing: str = "off",
     ):
         if max_prompts_per_batch < 1:
             raise ValueError(f"max_prompts_per_batch must be >= 1, got {max_prompts_per_batch}")
+        if record_routing not in ("off", "completion", "all"):
+            raise ValueError(f"record_routing must be 'off', 'completion' or 'all', got {record_routing!r}")
+        if record_routing != "off" and not model_args.is_moe:
+            raise ValueError(f"record_routing={record_routing!r} needs a MoE model; this one has no MoE layers")
         spec = spec_for_args(model_args)
         if vision is not None and not spec.takes_images:
             raise ValueError(f"vision settings given for a {spec.name!r} model, which takes no images")
@@ -153,6 +173,7 @@ class TorchGenerator:
         self.max_prompts_per_batch = max_prompts_per_batch
         self.kv_cache = kv_cache
         self.vision = vision
+        self.record_routing = record_routing
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         # Uninitialized until update_weights: there is nothing to sample from before it.
@@ -184,6 +205,11 @@ class TorchGenerator:
         tower, the first token) and in decoding the other tokens; resets both."""
         taken, self._phase_seconds = self._phase_seconds, {"prefill": 0.0, "decode": 0.0}
         return taken
+
+    @property
+    def routing_dtype(self) -> torch.dtype:
+        """The dtype of recorded experts: one byte per expert id where the ids fit."""
+        return torch.uint8 if self.args.num_experts <= 256 else torch.int16
 
     @property
     def is_loaded(self) -> bool:
@@ -317,6 +343,7 @@ class TorchGenerator:
                 "stop" if row.end_reason == "done" else "length",
                 self.version,
                 batch.images[r // num_samples] if batch.images is not None else (),
+                row.routing,
             )
             for r, ((p, s), row) in enumerate(zip(pairs, rows))
         ]
@@ -386,19 +413,43 @@ class TorchGenerator:
         vision: VisionInputs | None = None,
     ) -> torch.Tensor:
         """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
-        ``attention`` (default: the model's plain packed attention), with ``vision``'s images.
-        Every forward of the generator goes through here; a decode step's is the compiled one."""
+        ``attention`` (default: the model's plain packed attention), with ``vision``'s images."""
+        return self.logits_and_routing(tokens, positions, seq_ids, attention, rows, vision)[0]
+
+    def logits_and_routing(
+        self,
+        tokens,
+        positions,
+        seq_ids,
+        attention: AttentionState | None = None,
+        rows: torch.Tensor | None = None,
+        vision: VisionInputs | None = None,
+        keep: torch.Tensor | slice | None = None,
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
+        """``logits``, and when the generator records routing and ``keep`` (an index or a slice
+        of the tokens) is given, the experts ``[kept tokens, MoE layers, top_k]`` of those tokens
+        on the host (else None). Every forward of the generator goes through here; a decode
+        step's is the compiled one."""
         images = () if vision is None else (vision,)
         forward = self._decode_forward if isinstance(attention, DecodeAttention) else self._forward
-        return forward(tokens, positions, seq_ids, attention, rows, images)
+        logits, experts = forward(tokens, positions, seq_ids, attention, rows, images)
+        if experts is None or keep is None:
+            return logits, None
+        return logits, experts[keep].cpu().numpy()  # one device-to-host copy, of the kept tokens only
 
-    def _forward(self, tokens, positions, seq_ids, attention, rows, images) -> torch.Tensor:
-        hidden = self.model(tokens, positions, seq_ids, *images, attention=attention)
+    def _forward(self, tokens, positions, seq_ids, attention, rows, images) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.args.is_moe:
-            hidden = hidden[0]  # a MoE model also returns its router statistics
+            # A MoE model also returns its router statistics, with the experts used when asked.
+            hidden, stats = self.model(
+                tokens, positions, seq_ids, *images, attention=attention, record_routing=self.record_routing != "off"
+            )
+            # [L, T, k] -> [T, L, k] (per token), compacted on the device: fewer bytes to copy.
+            experts = None if stats.experts is None else stats.experts.transpose(0, 1).to(self.routing_dtype)
+        else:
+            hidden, experts = self.model(tokens, positions, seq_ids, *images, attention=attention), None
         if rows is not None:
             hidden = hidden.index_select(0, rows)
-        return self.model.output(hidden).float()
+        return self.model.output(hidden).float(), experts
 
     def new_cache(self, num_rows: int, num_slots: int, old: KVCache | None = None, num_kept: int = 0) -> KVCache:
         """A zeroed KV cache of this model with room for ``num_slots`` slots (``cache_slots``), in
@@ -414,10 +465,14 @@ class TorchGenerator:
             old.copy_rows_to(cache, num_kept)
         return cache
 
-    def prefill(self, batch: PromptBatch, cache: KVCache, prompts: list[int], first_row: int) -> torch.Tensor:
+    def prefill(
+        self, batch: PromptBatch, cache: KVCache, prompts: list[int], first_row: int
+    ) -> tuple[torch.Tensor, np.ndarray | None]:
         """Packed forward of ``batch``'s prompts ``prompts``, each once, writing their keys and
         values to the first slots of cache rows ``first_row``, ``first_row + 1``, ... (each prompt's
-        ``batch.num_samples`` rows in turn); returns those rows' first logits."""
+        ``batch.num_samples`` rows in turn); returns those rows' first logits, and when recording
+        routing the experts of each prompt's recorded positions (every position with ``"all"``,
+        else its last), prompt after prompt: each prompt's are its samples'."""
         sequences = [torch.tensor(batch.prompts[p], device=self.device) for p in prompts]
         ids, positions, seq_ids, last = pack_sequences(sequences)
         samples = batch.num_samples
@@ -427,11 +482,13 @@ class TorchGenerator:
         context = build_attention_context(self.args.attn_backend, seq_ids, positions)
         attention = PrefillAttention(context, cache, rows, slots, samples)
         vision = self.vision_inputs(batch, [s.numel() for s in sequences], prompts)
-        return self.logits(ids, positions, seq_ids, attention, last, vision).repeat_interleave(samples, dim=0)
+        keep = slice(None) if self.record_routing == "all" else last
+        logits, experts = self.logits_and_routing(ids, positions, seq_ids, attention, last, vision, keep)
+        return logits.repeat_interleave(samples, dim=0), experts
 
-    def decode(self, tokens: list[int], positions: list[int], cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens: list[int], positions: list[int], cache: KVCache) -> tuple[torch.Tensor, np.ndarray | None]:
         """One token for each of ``cache``'s first ``len(tokens)`` rows, at its own position,
-        attending to its slots ``0..position``; their logits.
+        attending to its slots ``0..position``; their logits and, when recording routing, experts.
 
         Eager, the step runs on exactly these rows over the slots up to the furthest position.
         Compiled, it runs on the smallest bucket of rows that holds them (``decode_bucket``) over
@@ -445,7 +502,9 @@ class TorchGenerator:
         ids = torch.tensor(tokens, device=self.device)
         where = torch.tensor(positions, device=self.device)
         rows = torch.arange(len(tokens), device=self.device)
-        return self.logits(ids, where, rows, DecodeAttention.build(cache, where, span))[:num_rows]
+        attention = DecodeAttention.build(cache, where, span)
+        logits, experts = self.logits_and_routing(ids, where, rows, attention, keep=slice(num_rows))
+        return logits[:num_rows], experts
 
 
 # Compiled decode graphs a generator may need: row buckets (8, 16, ... and the capacity: 11 up to

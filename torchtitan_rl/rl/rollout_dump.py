@@ -12,6 +12,16 @@ prompts. Rank 0 makes and decodes the few table rows at once and hands the step 
 thread, which makes the other records, decodes them and writes the file off the training path;
 at most one step waits behind the one being written, so a slow disk slows training down rather
 than growing memory.
+
+Routing replay (``moe.router_replay``): samples that carry the sampler's experts
+(``Sample.routed_experts``) keep them in a binary file beside the step's records,
+``step-{N}.routing.npy`` (numpy's format, read with ``read_routing``): per sample the rows of
+``routed_experts`` from its first recorded input position to its end, record after record in
+the file's order, uint8 when every stored id fits in a byte, else int16 (-1: not recorded).
+A record's ``routed_experts`` field locates its rows: ``{"first", "offset", "num"}`` = its
+input positions ``first .. first + num - 1`` are the file's rows ``offset .. offset + num - 1``
+(null without recorded routing). The file is written before the records, so a step's records
+never name a file that is missing or partial.
 """
 
 import io
@@ -19,8 +29,10 @@ import logging
 import math
 import os
 import queue
+import re
 import threading
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from rich.console import Console
@@ -41,6 +53,7 @@ ROLLOUT_TABLE_TAG = "rollouts/samples"
 EVAL_TABLE_TAG = "eval/samples"
 _TABLE_TEXT_CHARS = 2000  # of a prompt or completion in a table cell; the dump keeps all of it
 _CONSOLE_WIDTH = 160
+_ROUTING_FILE = re.compile(r"step-(\d+)\.routing\.npy")
 
 
 # ------------------------------------------------------------------ what a record is made of
@@ -110,7 +123,7 @@ def rollout_info(
     }
 
 
-def sample_batch(samples: list[Sample], step: int) -> dict:
+def sample_batch(samples: list[Sample], step: int, with_routing: bool = True) -> dict:
     """This rank's trained ``samples`` at ``step`` as rank 0 takes them: their rollouts' facts,
     their tokens and loss masks concatenated, and per sample the mean over its loss tokens of what
     the update computed (proximal log-probs, correction weights; NaN without loss tokens). A few
@@ -121,6 +134,7 @@ def sample_batch(samples: list[Sample], step: int) -> dict:
     assert all(info is not None for info in batch["infos"]), "RL samples from to_samples"
     if not samples:
         return {**batch, "input_ids": torch.zeros(0, dtype=torch.long), "loss_mask": torch.zeros(0, dtype=torch.bool)}
+    routing_firsts, routing_rows = recorded_routing(samples) if with_routing else ([None] * num_samples, None)
     mask = torch.cat([sample.loss_mask for sample in samples])
     segment = torch.repeat_interleave(torch.arange(num_samples), torch.tensor(lengths))
     num_loss = torch.zeros(num_samples, dtype=torch.float64).index_add_(0, segment, mask.double())
@@ -140,7 +154,29 @@ def sample_batch(samples: list[Sample], step: int) -> dict:
         "loss_mask": mask,
         "proximal": loss_token_means("prox_logprobs"),
         "weights": loss_token_means("rollout_weights"),
+        "routing_firsts": routing_firsts,
+        "routing_rows": routing_rows,
     }
+
+
+def recorded_routing(samples: list[Sample]) -> tuple[list[int | None], torch.Tensor | None]:
+    """Per sample the first input position with recorded experts (None: none), and the rows of
+    ``routed_experts`` from there to each sample's end, concatenated and ``compact``."""
+    firsts, rows = [], []
+    for sample in samples:
+        recorded = None if sample.routed_experts is None else sample.routed_experts[:, 0, 0] >= 0
+        if recorded is None or not bool(recorded.any()):
+            firsts.append(None)
+            continue
+        firsts.append(int(recorded.int().argmax()))
+        rows.append(sample.routed_experts[firsts[-1] :])
+    return firsts, compact(torch.cat(rows)) if rows else None
+
+
+def compact(experts: torch.Tensor) -> torch.Tensor:
+    """``experts`` as uint8 when every value fits in a byte (-1 does not), else int16."""
+    fits = int(experts.min()) >= 0 and int(experts.max()) <= 255
+    return experts.to(torch.uint8 if fits else torch.int16)
 
 
 def _mean_at(means: torch.Tensor | None, i: int) -> float | None:
@@ -153,10 +189,15 @@ def batch_records(batches: list[dict], selected: set | None = None) -> list[dict
     (group, sample) order; with ``selected`` only those whose (group, sample) it holds."""
     records = []
     for batch in batches:
-        start = 0
+        start = routing_start = 0
         for i, (info, length) in enumerate(zip(batch["infos"], batch["lengths"])):
             end, begin = start + length, start
             start = end
+            first = batch["routing_firsts"][i]
+            routing = None
+            if first is not None:
+                routing = (first, batch["routing_rows"][routing_start : routing_start + length - first])
+                routing_start += length - first
             if selected is not None and (info["group"], info["sample"]) not in selected:
                 continue
             tokens = batch["input_ids"][begin:end].tolist() + [int(batch["last_labels"][i])]
@@ -178,9 +219,57 @@ def batch_records(batches: list[dict], selected: set | None = None) -> list[dict
                     "staleness": batch["step"] - 1 - info["version"],
                     "proximal_logprob_mean": _mean_at(batch["proximal"], i),
                     "correction_weight_mean": _mean_at(batch["weights"], i),
+                    "routed_experts": None,  # where its rows are in the step's routing file, once written
+                    "routing": routing,  # (first input position, its recorded rows) for that file
                 }
             )
     return sorted(records, key=lambda r: (r["group"], r["sample"]))
+
+
+# ------------------------------------------------------------------ the routing file
+
+
+def routing_file(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}.routing.npy")
+
+
+def write_routing(folder: str, step: int, records: list[dict]) -> None:
+    """Write the recorded routing of ``batch_records``' ``records`` (in their order) as step
+    ``step``'s routing file under ``folder``, whole or not at all, and point each record's
+    ``routed_experts`` at its rows; no file when none has any."""
+    parts, offset = [], 0
+    for record in records:
+        if record["routing"] is None:
+            continue
+        first, rows = record["routing"]
+        record["routed_experts"] = {"first": first, "offset": offset, "num": len(rows)}
+        parts.append(rows)
+        offset += len(rows)
+    if not parts:
+        return
+    os.makedirs(folder, exist_ok=True)
+    path = routing_file(folder, step)
+    with open(f"{path}.partial", "wb") as out:
+        np.save(out, compact(torch.cat(parts)).numpy())
+    os.replace(f"{path}.partial", path)
+
+
+def read_routing(folder: str, step: int, record: dict) -> np.ndarray | None:
+    """A dumped rollout record's recorded experts ``[num, MoE layers, top_k]`` (its input
+    positions ``first .. first + num - 1``) from step ``step``'s routing file; None without."""
+    where = record["routed_experts"]
+    if where is None:
+        return None
+    rows = np.load(routing_file(folder, step), mmap_mode="r")
+    return np.array(rows[where["offset"] : where["offset"] + where["num"]])
+
+
+def remove_routing_after(folder: str, step: int) -> None:
+    """Delete the routing files of the steps after ``step`` (``RolloutLog.start``)."""
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if (m := _ROUTING_FILE.fullmatch(name)) and int(m.group(1)) > step:
+                os.remove(os.path.join(folder, name))
 
 
 def completion_entry(rollout: Rollout, reward: Reward) -> dict:
@@ -261,6 +350,7 @@ def decode_rollout(tokenizer: Tokenizer, raw: dict) -> dict:
         "proximal_logprob_mean": raw["proximal_logprob_mean"],
         "correction_weight_mean": raw["correction_weight_mean"],
         "images": raw["images"],
+        "routed_experts": raw["routed_experts"],
     }
 
 
@@ -368,6 +458,8 @@ class RolloutLog:
         self.tokenizer, self.parallel_dims, self.rank = tokenizer, parallel_dims, rank
         self.tb_writer = tb_writer
         self.enabled = self.dump or self.num_table_rows > 0
+        # Recorded experts weigh L * k bytes per token: only for the dump, and only when asked for.
+        self.dump_routing = self.dump and rl.dump_routing
         # The step being written and at most one more: the bound on what rank 0 holds.
         self._pending: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -385,6 +477,7 @@ class RolloutLog:
             return
         after = last_step if last_step > 0 else -1
         removed = [step for folder in self.folders.values() for step in rollout_files.remove_steps_after(folder, after)]
+        remove_routing_after(self.folders[rollout_files.ROLLOUTS], after)
         if removed:
             logger.info("rollout dump: removed %d file(s) of steps after step %d", len(removed), last_step)
 
@@ -395,7 +488,7 @@ class RolloutLog:
         peers = self.parallel_dims.mesh("replica")
         if peers is not None and peers.get_local_rank() != 0:
             return  # the first peer's samples are the same
-        gathered = _gather(sample_batch(samples, step), self.parallel_dims.mesh("batch"))
+        gathered = _gather(sample_batch(samples, step, self.dump_routing), self.parallel_dims.mesh("batch"))
         if gathered is None:
             return
         order = sorted((info["group"], info["sample"]) for batch in gathered for info in batch["infos"])
@@ -439,8 +532,11 @@ class RolloutLog:
                     continue  # reported on the main thread; drain
                 kind, step, all_records, decode = item
                 try:
-                    records = (decode(self.tokenizer, r) for r in all_records())
-                    rollout_files.write_step(self.folders[kind], step, records)
+                    records = all_records()
+                    if kind == rollout_files.ROLLOUTS:
+                        write_routing(self.folders[kind], step, records)
+                    decoded = (decode(self.tokenizer, r) for r in records)
+                    rollout_files.write_step(self.folders[kind], step, decoded)
                 except BaseException as err:  # noqa: BLE001  (re-raised on the training thread)
                     self._error = err
             finally:

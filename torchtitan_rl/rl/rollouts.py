@@ -217,7 +217,18 @@ def to_samples(
             if images:
                 samples[-1].images = images
                 samples[-1].vision_rows = image_vision_rows(rollout.images, len(tokens) - 1, vision.merge_size)
+            if rollout.routing is not None:
+                samples[-1].routed_experts = routed_experts(rollout.routing, len(tokens) - 1)
     return samples
+
+
+def routed_experts(routing: np.ndarray, num_inputs: int) -> torch.Tensor:
+    """A sample's ``routed_experts`` ``[num_inputs, L, k]`` (int16) from its rollout's recorded
+    ``routing`` of its last input positions (``Rollout.routing``): -1 before them."""
+    recorded = torch.from_numpy(np.ascontiguousarray(routing)).to(torch.int16)
+    assert recorded.shape[0] <= num_inputs, (recorded.shape, num_inputs)
+    missing = torch.full((num_inputs - recorded.shape[0], *recorded.shape[1:]), -1, dtype=torch.int16)
+    return torch.cat([missing, recorded])
 
 
 def _group_images(group: ScoredGroup, vision: VisionDataConfig | None) -> list[SampleImage]:

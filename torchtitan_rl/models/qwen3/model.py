@@ -6,6 +6,7 @@ buffers: rotary tables are computed from the explicit per-token positions on eve
 so a model built on the meta device only needs ``to_empty`` + ``init_weights``.
 """
 
+import dataclasses
 import math
 import zlib
 from dataclasses import dataclass
@@ -140,16 +141,27 @@ class TransformerBlock(nn.Module):
 class MoEContext:
     """Per-forward metadata of the MoE layers, built once per forward like the attention
     context: this rank's tokens' ``seq_ids`` and ``router_mask`` (what the residual stream
-    holds, see ``Qwen3Model.shard_tokens``) and the micro-batch's number of sequences."""
+    holds, see ``Qwen3Model.shard_tokens``), the micro-batch's number of sequences and, when
+    routing is replayed, this rank's tokens' recorded experts (``[T, k]`` for one layer, the
+    block's; ``for_layer`` picks it from ``[T, L, k]``)."""
 
     seq_ids: torch.Tensor
     router_mask: torch.Tensor
     num_seqs: int
+    replayed: torch.Tensor | None = None
+    replay: bool = True  # False: the recorded experts are only compared with the router's choice
+
+    def for_layer(self, slot: int) -> "MoEContext":
+        """The context of the ``slot``-th MoE layer: its column of the replayed experts."""
+        if self.replayed is None:
+            return self
+        return dataclasses.replace(self, replayed=self.replayed[:, slot])
 
 
 class MoETransformerBlock(nn.Module):
     """Pre-norm residual block, attention then a mixture of experts (``moe``); returns the
-    residual stream and the layer's router statistics ``(counts, prob_sums, z_sums)``."""
+    residual stream, the layer's router statistics ``(counts, prob_sums, z_sums, agreement)``
+    and the experts its tokens used."""
 
     def __init__(self, args: Qwen3ModelArgs):
         super().__init__()
@@ -167,10 +179,15 @@ class MoETransformerBlock(nn.Module):
 
     def forward(self, x, rotary, attention: LayerAttention, moe_context: MoEContext):
         x = x + self.attention(self.attention_norm(x), rotary, attention)
-        out, counts, prob_sums, z_sums = self.moe(
-            self.ffn_norm(x), moe_context.seq_ids, moe_context.router_mask, moe_context.num_seqs
+        out, *routing = self.moe(
+            self.ffn_norm(x),
+            moe_context.seq_ids,
+            moe_context.router_mask,
+            moe_context.num_seqs,
+            moe_context.replayed,
+            moe_context.replay,
         )
-        return x + out, counts, prob_sums, z_sums
+        return x + out, *routing
 
 
 class WholeTokens:
@@ -229,10 +246,13 @@ class Qwen3Model(nn.Module):
         num_seqs: int | None = None,
         *,
         attention: AttentionState | None = None,
+        routed_experts: torch.Tensor | None = None,
+        replay_routing: bool = True,
+        record_routing: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """Final-normed hidden states ``[T, dim]`` of a packed micro-batch; for an MoE model
-        ``(hidden, RouterStats)`` (see ``run_layers`` for ``router_mask``, ``num_seqs`` and
-        ``attention``).
+        ``(hidden, RouterStats)`` (see ``run_layers`` for ``router_mask``, ``num_seqs``,
+        ``attention``, ``routed_experts``, ``replay_routing`` and ``record_routing``).
 
         Logits are left to the caller (``self.output``), which applies them in token chunks
         so that ``[T, vocab]`` is never materialized at once; so are a reward model's scores
@@ -241,10 +261,20 @@ class Qwen3Model(nn.Module):
         if self.tok_embeddings is None:
             # A pipeline stage after the first (``distributed.pipeline``): its input is the
             # previous stage's hidden states.
-            return self.run_layers(tokens, positions, seq_ids, router_mask, num_seqs, attention=attention)
-        check_packed_inputs(tokens, positions, seq_ids)
+            h = tokens
+        else:
+            check_packed_inputs(tokens, positions, seq_ids)
+            h = self.tok_embeddings(tokens)
         return self.run_layers(
-            self.tok_embeddings(tokens), positions, seq_ids, router_mask, num_seqs, attention=attention
+            h,
+            positions,
+            seq_ids,
+            router_mask,
+            num_seqs,
+            attention=attention,
+            routed_experts=routed_experts,
+            replay_routing=replay_routing,
+            record_routing=record_routing,
         )
 
     def run_layers(
@@ -256,6 +286,9 @@ class Qwen3Model(nn.Module):
         num_seqs: int | None = None,
         *,
         attention: AttentionState | None = None,
+        routed_experts: torch.Tensor | None = None,
+        replay_routing: bool = True,
+        record_routing: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, RouterStats]:
         """The decoder stack on input embeddings ``h [T, dim]``: final-normed hidden ``[T, dim]``,
         and for an MoE model also the ``RouterStats`` of its MoE layers.
@@ -268,6 +301,13 @@ class Qwen3Model(nn.Module):
         Dense models ignore both. ``attention`` (``models.attention.AttentionState``) is what the
         layers attend with: by default plain packed attention under ``args.attn_backend``;
         context parallel and a generator's KV cache pass their own.
+
+        ``routed_experts [T, L, k]`` (int; L = every MoE layer of the model, a pipeline stage
+        included): experts to route each token to instead of each layer's own top-k (routing
+        replay, ``models.moe``), -1 where a token routes itself; with ``replay_routing`` false
+        they are only compared with the layers' own choice (``RouterStats.agreement``).
+        ``record_routing``: also return the experts every token used (``RouterStats.experts``).
+        Dense models ignore all three.
         """
         # Only h's rank is checked: under sequence-parallel TP it holds this rank's share of
         # the T tokens, while positions and seq_ids describe all of them.
@@ -285,27 +325,41 @@ class Qwen3Model(nn.Module):
             # A pipeline stage before the last has no final norm: the next stage continues from h.
             return h if self.norm is None else self.norm(h)
 
-        moe_context = self._moe_context(h, seq_ids, router_mask, num_seqs)
-        stats = []
+        moe_context = self._moe_context(h, seq_ids, router_mask, num_seqs, routed_experts, replay_routing)
+        stats, experts = [], []
+        moe_layers = list(self.args.moe_layers)
         # Layer kinds from the args, not isinstance: wrappers (activation checkpointing,
         # compile) hide the block class.
         for name, layer in self.layers.items():
             layer_attention = attention.for_layer(int(name))
             if self.args.is_moe_layer(int(name)):
-                h, *layer_stats = layer(h, rotary, layer_attention, moe_context)
+                layer_context = moe_context.for_layer(moe_layers.index(int(name)))
+                h, *layer_stats, layer_experts = layer(h, rotary, layer_attention, layer_context)
                 stats.append(layer_stats)
+                if record_routing:
+                    experts.append(layer_experts)
             else:
                 h = layer(h, rotary, layer_attention)
         if stats:
-            counts, prob_sums, z_sums = (torch.stack(parts) for parts in zip(*stats))
+            counts, prob_sums, z_sums, agreement = (torch.stack(parts) for parts in zip(*stats))
         else:  # a pipeline stage of dense layers only
             counts = prob_sums = h.new_zeros(0, moe_context.num_seqs, self.args.num_experts, dtype=torch.float32)
             z_sums = h.new_zeros(0, moe_context.num_seqs, dtype=torch.float32)
+            agreement = h.new_zeros(0, 2, dtype=torch.float32)
+        if record_routing:
+            k = self.args.num_experts_per_tok
+            experts = torch.stack(experts) if experts else h.new_zeros(0, h.shape[0], k, dtype=torch.long)
         h = h if self.norm is None else self.norm(h)
-        return h, RouterStats(counts=counts, prob_sums=prob_sums, z_sums=z_sums)
+        return h, RouterStats(counts, prob_sums, z_sums, agreement, experts if record_routing else None)
 
     def _moe_context(
-        self, h: torch.Tensor, seq_ids: torch.Tensor, router_mask: torch.Tensor | None, num_seqs: int | None
+        self,
+        h: torch.Tensor,
+        seq_ids: torch.Tensor,
+        router_mask: torch.Tensor | None,
+        num_seqs: int | None,
+        routed_experts: torch.Tensor | None = None,
+        replay_routing: bool = True,
     ) -> MoEContext:
         if router_mask is None:
             router_mask = torch.ones_like(seq_ids, dtype=torch.bool)
@@ -320,13 +374,20 @@ class Qwen3Model(nn.Module):
             num_seqs = int(seq_ids.max()) + 1
         elif isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 1:
             raise ValueError(f"num_seqs must be a positive int, got {num_seqs!r}")
+        expected = (seq_ids.shape[0], len(self.args.moe_layers), self.args.num_experts_per_tok)
+        if routed_experts is not None and (routed_experts.shape != expected or routed_experts.is_floating_point()):
+            raise ValueError(
+                f"routed_experts must be integer [T, MoE layers, top_k] = {expected}, got "
+                f"{routed_experts.dtype} {tuple(routed_experts.shape)}"
+            )
         local_seq_ids, local_mask = self.shard_tokens(seq_ids), self.shard_tokens(router_mask)
         if local_seq_ids.shape[0] != h.shape[0] or local_mask.shape[0] != h.shape[0]:
             raise ValueError(
                 f"shard_tokens gives {local_seq_ids.shape[0]} tokens of metadata for the "
                 f"{h.shape[0]} tokens of the residual stream"
             )
-        return MoEContext(local_seq_ids, local_mask, num_seqs)
+        replayed = None if routed_experts is None else self.shard_tokens(routed_experts)
+        return MoEContext(local_seq_ids, local_mask, num_seqs, replayed, replay_routing)
 
     def _apply(self, fn, recurse=True):
         # Moving parameters across devices where ``.data`` cannot be swapped (``to_empty`` off
