@@ -84,10 +84,15 @@ def test_recorded_routing_is_a_plain_forwards_and_changes_no_rollout(model, kv_c
     rollouts = generate(gen)
     check_rollouts(model, rollouts, mode)
     unrecorded = generate(generator_for(model, MOE_ARGS, max_prompts_per_batch=2, kv_cache=kv_cache))
-    assert all(r.routing is None for r in unrecorded)
-    assert [(r.completion_tokens, r.logprobs) for r in rollouts] == [
-        (r.completion_tokens, r.logprobs) for r in unrecorded
-    ]
+    # Evaluation pauses the recording of a recording generator (``not_recording``).
+    with gen.not_recording():
+        paused = generate(gen)
+    assert gen.record_routing == mode
+    for other in (unrecorded, paused):
+        assert all(r.routing is None for r in other)
+        assert [(r.completion_tokens, r.logprobs) for r in rollouts] == [
+            (r.completion_tokens, r.logprobs) for r in other
+        ]
     # Premises: rows finished at different lengths; with the cache, a prompt was admitted after
     # decode steps had run (into rows freed and compacted) and steps ran on fewer rows than it holds.
     assert len({len(r.completion_tokens) for r in rollouts}) >= 4

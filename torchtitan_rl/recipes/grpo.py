@@ -554,7 +554,8 @@ class GRPORecipe(Recipe):
         greedy_params = dataclasses.replace(self.sampling, temperature=0.0)
         sums = torch.zeros(4, dtype=torch.float64)  # prompts, greedy correct, Σ pass@k, Σ sampled pass@1
         records = []
-        with failures_shared(self._training_ranks()):  # the environment's and the reward's code
+        # The environment's and the reward's code; no routing recorded: nothing trains on these.
+        with failures_shared(self._training_ranks()), self.generator.not_recording():
             greedy = engine.generate(prompts, indices, 1, greedy_params, seed, -step, images)
             sampled = engine.generate(prompts, indices, k, self.sampling, seed, -step, images)
             for i, index in enumerate(indices):

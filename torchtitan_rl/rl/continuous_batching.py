@@ -242,8 +242,9 @@ class ContinuousBatch:
                 attention = ExtendAttention.build(self.cache, list(range(len(rows))), positions, [len(n) for n in new])
                 ids = torch.tensor([t for part in new for t in part], device=self.gen.device)
                 last = torch.tensor([len(part) for part in new], device=self.gen.device).cumsum(0) - 1
+                keep = None if self.routing is None else slice(None)
                 logits, experts = self.gen.logits_and_routing(
-                    ids, attention.positions, attention.rows, attention, last, keep=slice(None)
+                    ids, attention.positions, attention.rows, attention, last, keep=keep
                 )
         if experts is not None:
             for r, part in zip(rows, np.split(experts, np.cumsum([len(part) for part in new])[:-1])):

@@ -49,6 +49,7 @@ kernels for other batch shapes (which can only change a token when its uniform f
 that rounding of a CDF step).
 """
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -174,6 +175,9 @@ class TorchGenerator:
         self.kv_cache = kv_cache
         self.vision = vision
         self.record_routing = record_routing
+        # Fixed for the replica's life, so a compiled decode step never recompiles for it;
+        # ``not_recording`` only stops the copies out.
+        self._returns_experts = record_routing != "off"
         with torch.device("meta"):
             model = spec.model_cls(model_args)
         # Uninitialized until update_weights: there is nothing to sample from before it.
@@ -205,6 +209,15 @@ class TorchGenerator:
         tower, the first token) and in decoding the other tokens; resets both."""
         taken, self._phase_seconds = self._phase_seconds, {"prefill": 0.0, "decode": 0.0}
         return taken
+
+    @contextlib.contextmanager
+    def not_recording(self):
+        """Generate without recording routing inside the block (evaluation: nothing trains on it)."""
+        mode, self.record_routing = self.record_routing, "off"
+        try:
+            yield
+        finally:
+            self.record_routing = mode
 
     @property
     def routing_dtype(self) -> torch.dtype:
@@ -441,7 +454,7 @@ class TorchGenerator:
         if self.args.is_moe:
             # A MoE model also returns its router statistics, with the experts used when asked.
             hidden, stats = self.model(
-                tokens, positions, seq_ids, *images, attention=attention, record_routing=self.record_routing != "off"
+                tokens, positions, seq_ids, *images, attention=attention, record_routing=self._returns_experts
             )
             # [L, T, k] -> [T, L, k] (per token), compacted on the device: fewer bytes to copy.
             experts = None if stats.experts is None else stats.experts.transpose(0, 1).to(self.routing_dtype)
@@ -482,7 +495,7 @@ class TorchGenerator:
         context = build_attention_context(self.args.attn_backend, seq_ids, positions)
         attention = PrefillAttention(context, cache, rows, slots, samples)
         vision = self.vision_inputs(batch, [s.numel() for s in sequences], prompts)
-        keep = slice(None) if self.record_routing == "all" else last
+        keep = {"off": None, "all": slice(None)}.get(self.record_routing, last)
         logits, experts = self.logits_and_routing(ids, positions, seq_ids, attention, last, vision, keep)
         return logits.repeat_interleave(samples, dim=0), experts
 
@@ -503,7 +516,8 @@ class TorchGenerator:
         where = torch.tensor(positions, device=self.device)
         rows = torch.arange(len(tokens), device=self.device)
         attention = DecodeAttention.build(cache, where, span)
-        logits, experts = self.logits_and_routing(ids, where, rows, attention, keep=slice(num_rows))
+        keep = None if self.record_routing == "off" else slice(num_rows)
+        logits, experts = self.logits_and_routing(ids, where, rows, attention, keep=keep)
         return logits[:num_rows], experts
 
 
