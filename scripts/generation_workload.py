@@ -3,8 +3,8 @@ rollout generator (``scripts/benchmark_generator.py``) with a randomly initializ
 
 A random model does not stop when a benchmark needs it to, so the schedule overrides the
 generator's logits: every forward of ``TorchGenerator`` goes through
-``TorchGenerator.logits(tokens, positions, seq_ids, attention, rows, vision)``, and
-``with_stop_schedule`` post-processes what it returns using only the fed token of each output
+``TorchGenerator.logits_and_routing(tokens, positions, seq_ids, attention, rows, vision, keep)``,
+and ``with_stop_schedule`` post-processes the logits it returns using only the fed token of each output
 row and its absolute position. The schedule (``StopSchedule``), for prompts of exactly
 ``prompt_len`` tokens and ``M = num_classes``:
 

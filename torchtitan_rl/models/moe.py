@@ -85,28 +85,27 @@ class TopKRouter(nn.Module):
         return probs, top_weights.to(logits.dtype), top_experts
 
     def replay(
-        self, probs: torch.Tensor, own_experts: torch.Tensor, replayed: torch.Tensor, router_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(top_weights [T, k] fp32, top_experts [T, k], agreement [2])`` with the ``replayed``
-        experts ``[T, k]`` (a negative row: no record, the token keeps ``own_experts``).
-
-        The weights are ``probs`` at the replayed experts, renormalized with ``norm_topk_prob``:
-        for a token whose record equals its own top-k they are exactly the values ``route``
-        gives. ``agreement``: (replayed choices of the tokens in ``router_mask`` that
-        ``own_experts`` also holds, replayed choices compared)."""
+        self, probs: torch.Tensor, own_experts: torch.Tensor, replayed: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top_weights [T, k] fp32, top_experts [T, k])`` with the ``replayed`` experts
+        ``[T, k]`` (a negative row: no record, the token keeps ``own_experts``). The weights are
+        ``probs`` at the replayed experts, renormalized with ``norm_topk_prob``: for a token whose
+        record equals its own top-k they are exactly the values ``route`` gives."""
         replayed = replayed.long()
-        recorded = replayed[:, 0] >= 0
-        experts = torch.where(recorded[:, None], replayed, own_experts)
+        experts = torch.where(replayed[:, :1] >= 0, replayed, own_experts)
         weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        with torch.no_grad():
-            compared = recorded & router_mask
-            matched = (own_experts[:, :, None] == replayed[:, None, :]).any(-1).sum(-1)
-            agreement = torch.stack(
-                [torch.where(compared, matched, 0).sum().float(), compared.sum().float() * self.top_k]
-            )
-        return weights, experts, agreement
+        return weights, experts
+
+    @torch.no_grad()
+    def agreement(self, own_experts: torch.Tensor, replayed: torch.Tensor, router_mask: torch.Tensor) -> torch.Tensor:
+        """``[2]``: (recorded choices of the tokens in ``router_mask`` that ``own_experts`` also
+        holds, recorded choices compared); a negative row of ``replayed`` is no record."""
+        replayed = replayed.long()
+        compared = (replayed[:, 0] >= 0) & router_mask
+        matched = (own_experts[:, :, None] == replayed[:, None, :]).any(-1).sum(-1)
+        return torch.stack([torch.where(compared, matched, 0).sum().float(), compared.sum().float() * self.top_k])
 
 
 def grouped_mm_supported(dtype: torch.dtype, *dims: int) -> bool:
@@ -261,9 +260,10 @@ class MoE(nn.Module):
         if replayed is None:
             agreement = torch.zeros(2, device=x.device)
         else:
-            weights, experts, agreement = self.router.replay(probs, top_experts, replayed, router_mask)
+            agreement = self.router.agreement(top_experts, replayed, router_mask)
             if replay:
-                top_weights, top_experts = weights.to(logits.dtype), experts
+                weights, top_experts = self.router.replay(probs, top_experts, replayed)
+                top_weights = weights.to(logits.dtype)
 
         # Dispatch: the T*k (token, expert) pairs sorted by expert; a stable sort keeps tokens
         # in order within an expert, so the combine adds in a fixed order (on CUDA, whose

@@ -416,19 +416,6 @@ class TorchGenerator:
             torch.cat(index).to(self.device),
         )
 
-    def logits(
-        self,
-        tokens,
-        positions,
-        seq_ids,
-        attention: AttentionState | None = None,
-        rows: torch.Tensor | None = None,
-        vision: VisionInputs | None = None,
-    ) -> torch.Tensor:
-        """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
-        ``attention`` (default: the model's plain packed attention), with ``vision``'s images."""
-        return self.logits_and_routing(tokens, positions, seq_ids, attention, rows, vision)[0]
-
     def logits_and_routing(
         self,
         tokens,
@@ -439,10 +426,12 @@ class TorchGenerator:
         vision: VisionInputs | None = None,
         keep: torch.Tensor | slice | None = None,
     ) -> tuple[torch.Tensor, np.ndarray | None]:
-        """``logits``, and when the generator records routing and ``keep`` (an index or a slice
-        of the tokens) is given, the experts ``[kept tokens, MoE layers, top_k]`` of those tokens
-        on the host (else None). Every forward of the generator goes through here; a decode
-        step's is the compiled one."""
+        """float32 logits of the ``rows`` (default: all) of one packed forward that attends with
+        ``attention`` (default: the model's plain packed attention), with ``vision``'s images;
+        and when the generator records routing and ``keep`` (an index or a slice of the tokens)
+        is given, the experts ``[kept tokens, MoE layers, top_k]`` of those tokens on the host
+        (else None). Every forward of the generator goes through here; a decode step's is the
+        compiled one."""
         images = () if vision is None else (vision,)
         forward = self._decode_forward if isinstance(attention, DecodeAttention) else self._forward
         logits, experts = forward(tokens, positions, seq_ids, attention, rows, images)

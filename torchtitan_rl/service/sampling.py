@@ -166,7 +166,7 @@ class ServiceSampler:
         tokens = torch.tensor(prompt[:-1], device=device)
         positions = torch.arange(len(prompt) - 1, device=device)
         seq_ids = torch.zeros(len(prompt) - 1, dtype=torch.long, device=device)
-        logits = self.generator.logits(tokens, positions, seq_ids)
+        logits, _ = self.generator.logits_and_routing(tokens, positions, seq_ids)
         targets = torch.tensor(prompt[1:], device=device)
         values = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
         return [None, *values.cpu().tolist()]
